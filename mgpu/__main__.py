@@ -1,0 +1,3 @@
+from mgpu.cli import main
+
+raise SystemExit(main())
