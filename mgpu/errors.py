@@ -1,0 +1,38 @@
+"""User-facing errors. Each message names the file, device or node involved and says what to do."""
+
+
+class MgpuError(Exception):
+    """Base of every error a user can cause or fix."""
+
+
+class DeviceSpecError(MgpuError, ValueError):
+    """A device spec (``--devices`` / ``MGPU_DEVICES``) that cannot be parsed."""
+
+
+class SizingError(MgpuError, ValueError):
+    """A component file that cannot be sized: missing, not safetensors, or a lying header."""
+
+
+class PlanError(MgpuError):
+    """Nothing fits. ``needs`` lists, per device, what was needed and what was available."""
+
+    def __init__(self, message: str, needs: list[dict] | None = None):
+        super().__init__(message)
+        self.needs = needs or []
+
+
+class RankFailure(MgpuError, RuntimeError):
+    """A rank process raised, died or timed out. The pool is torn down and rebuilt on next use."""
+
+    def __init__(self, message: str, rank: int | None = None, device: str | None = None,
+                 exitcode: int | None = None, signal: str | None = None, traceback: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.device = device
+        self.exitcode = exitcode
+        self.signal = signal
+        self.traceback = traceback
+
+
+class ShardingError(MgpuError, ValueError):
+    """The model cannot be sharded as asked: no block list, checkpoint keys that do not match, ..."""
