@@ -1,0 +1,520 @@
+"""Size a model component (DiT, text encoder, VAE) from its safetensors headers alone.
+
+Why headers only: planning must run before anything is loaded, on machines whose RAM is smaller than the
+checkpoint. ``safetensors.safe_open`` maps the whole file (``Cannot allocate memory`` for a 28 GB file on a
+24 GB host), so the 8-byte length and the JSON header are read with plain file reads and validated here.
+Nothing is ever unpickled: a ``.ckpt``/``.pt``/``.gguf`` file is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mgpu.errors import SizingError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; anything larger is not a safetensors header
+
+# Bits per element of every dtype safetensors defines (sub-byte float formats included).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8,
+    "F8_E4M3": 8, "F8_E5M2": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
+                          "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"})
+
+_CORRUPT = "the file is truncated or corrupt; re-download it"
+_ONLY_SAFETENSORS = ("only .safetensors files are accepted: download the .safetensors version of this model "
+                     "(or convert it) and point at that")
+
+
+# ----------------------------------------------------------------------------------------------- headers
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's header entry. ``start``/``end`` are absolute file offsets, ready for positioned reads."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Header:
+    path: str
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_offset: int  # absolute offset of the data section (8 + header length)
+    file_size: int
+
+
+def _sniff(head: bytes) -> str:
+    """Name the format of a file that is not safetensors, so the message can say what it is."""
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a zip archive, e.g. a PyTorch .ckpt/.pt/.pth checkpoint"
+    if head.startswith(b"GGUF"):
+        return "it is a GGUF file"
+    if head[:1] == b"\x80":
+        return "it looks like a pickle file (.ckpt/.pt/.bin)"
+    return "its first bytes are not a safetensors header"
+
+
+def _not_safetensors(path: str, why: str) -> SizingError:
+    return SizingError(f"{path} is not a safetensors file ({why}); {_ONLY_SAFETENSORS}.")
+
+
+def _check_path(path: str) -> int:
+    if not os.path.exists(path):
+        raise SizingError(f"Model file not found: {path}; check the path / the model folder.")
+    if not os.path.isfile(path):
+        raise SizingError(f"{path} is a folder, not a file; point at the .safetensors file "
+                          "(a sharded model folder is read with its *.safetensors.index.json).")
+    return os.path.getsize(path)
+
+
+def _tensor_info(path: str, name: str, entry: object, data_offset: int, data_size: int) -> TensorInfo:
+    def bad(detail: str) -> SizingError:
+        return SizingError(f"{path}: tensor '{name}' has a malformed header entry ({detail}); {_CORRUPT}.")
+
+    if not isinstance(entry, dict):
+        raise bad("not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise SizingError(f"{path}: tensor '{name}' has unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)}); "
+                          "the file is corrupt or from a newer safetensors: re-download it or update comfy-mgpu.")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != end - begin:
+        raise SizingError(f"{path}: tensor '{name}' ({dtype} {shape}) needs {bits / 8:g} bytes but its data_offsets "
+                          f"[{begin}, {end}] span {end - begin}; {_CORRUPT}.")
+    if end > data_size:
+        raise SizingError(f"{path}: tensor '{name}' ends at byte {end} of the data section but only {data_size} "
+                          f"data bytes follow the header (file size {data_offset + data_size}); {_CORRUPT}.")
+    return TensorInfo(name, dtype, tuple(shape), data_offset + begin, data_offset + end)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate one safetensors header with plain reads (no mmap, no tensor data)."""
+    path = os.fspath(path)
+    file_size = _check_path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SizingError(f"{path} is {file_size} bytes, too short for a safetensors file; {_CORRUPT}.")
+        (header_len,) = struct.unpack("<Q", head)
+        # safetensors headers start with "{" right after the length: anything else is another format
+        if header_len > MAX_HEADER_BYTES or header_len < 2 or f.read(1) != b"{":
+            raise _not_safetensors(path, _sniff(head))
+        if header_len > file_size - 8:
+            raise SizingError(f"{path}: its header says {header_len} header bytes follow but the file has only "
+                              f"{file_size - 8}; {_CORRUPT}.")
+        raw = b"{" + f.read(header_len - 1)
+    try:
+        parsed = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SizingError(f"{path}: its header is not valid JSON ({e}); {_CORRUPT}.") from None
+    if not isinstance(parsed, dict):
+        raise _not_safetensors(path, "its header is not a JSON object")
+
+    data_offset = 8 + header_len
+    data_size = file_size - data_offset
+    meta = parsed.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise SizingError(f"{path}: its __metadata__ is not a JSON object; {_CORRUPT}.")
+    tensors = {name: _tensor_info(path, name, entry, data_offset, data_size) for name, entry in parsed.items()}
+    _check_overlaps(path, tensors)
+    return Header(path, tensors, {str(k): str(v) for k, v in meta.items()}, data_offset, file_size)
+
+
+def _check_overlaps(path: str, tensors: dict[str, TensorInfo]) -> None:
+    """Two tensors sharing bytes means a lying header: sizes would be counted twice."""
+    spans = sorted((t for t in tensors.values() if t.nbytes), key=lambda t: t.start)
+    for a, b in zip(spans, spans[1:]):
+        if b.start < a.end:
+            raise SizingError(f"{path}: tensors '{a.name}' [{a.start}, {a.end}) and '{b.name}' [{b.start}, {b.end}) "
+                              f"overlap; {_CORRUPT}.")
+
+
+def _read_index(index: str) -> list[Header]:
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise SizingError(f"{index} is not a readable safetensors index ({e}); re-download it.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SizingError(f"{index} has no valid 'weight_map' (tensor name -> shard file); re-download it.")
+    folder = os.path.dirname(index)
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise SizingError(f"{index} lists {len(shards)} shard files but {len(missing)} are missing from {folder}: "
+                          f"{', '.join(missing[:5])}; download every shard into that folder.")
+    headers = [read_header(os.path.join(folder, s)) for s in shards]
+    by_name = {s: h for s, h in zip(shards, headers)}
+    for name, shard in weight_map.items():
+        if name not in by_name[shard].tensors:
+            raise SizingError(f"{index} says tensor '{name}' is in {shard} but that shard does not hold it; "
+                              "the download is incomplete or mixed: re-download the model.")
+    return headers
+
+
+def read_headers(path: str | os.PathLike) -> list[Header]:
+    """Headers of a single file, of a HF-sharded folder (via its index), or of the index file itself."""
+    path = os.fspath(path)
+    if path.endswith(".index.json"):
+        _check_path(path)
+        return _read_index(path)
+    if os.path.isdir(path):
+        indexes = sorted(Path(path).glob("*.safetensors.index.json"))
+        if len(indexes) == 1:
+            return _read_index(str(indexes[0]))
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not indexes and len(files) == 1:
+            return [read_header(files[0])]
+        raise SizingError(f"{path} is a folder with {len(indexes)} *.safetensors.index.json and {len(files)} "
+                          "*.safetensors files; point at one .safetensors file or one index file.")
+    return [read_header(path)]
+
+
+# ------------------------------------------------------------------------------------------ components
+
+@dataclass
+class BlockGroup:
+    """A run of repeated blocks (``blocks.N.``): the unit the partitioner shards and places."""
+    prefix: str
+    count: int
+    bytes_per_block: list[int]
+
+
+@dataclass
+class ComponentSize:
+    path: str
+    kind: str  # "dit" | "text_encoder" | "vae" | "unknown"
+    family: str
+    total_bytes: int
+    params: int
+    bytes_by_dtype: dict[str, int]
+    blocks: list[BlockGroup]  # main group (most bytes) first
+    bytes_outside_blocks: int  # total_bytes minus the main group
+    dims: dict[str, int]
+    key_prefix: str
+    warnings: list[str] = field(default_factory=list)
+    # Floating tensors with >= 2 dims: what a dtype recast (fp8/bf16 weights) changes; norms and biases keep theirs.
+    matrix_params: int = 0
+    matrix_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ComponentSize:
+        d = dict(d)
+        d["blocks"] = [BlockGroup(**b) for b in d.get("blocks", [])]
+        return cls(**d)
+
+
+# Prefixes ComfyUI strips before detection (comfy/model_detection.py unet_prefix_from_state_dict,
+# supported_models*.py vae_key_prefix / text_encoder_key_prefix, sd.py CLIP loading).
+_PREFIXES = [re.compile(p) for p in (
+    r"model\.diffusion_model\.", r"diffusion_model\.", r"first_stage_model\.", r"vae\.",
+    r"text_encoders\.[^.]+\.transformer\.", r"text_encoders\.[^.]+\.", r"cond_stage_model\.transformer\.",
+    r"conditioner\.embedders\.\d+\.transformer\.",
+)]
+_BLOCK_KEY = re.compile(r"^(.+?)\.(\d+)(?:\.|$)")
+
+
+def _prefix_bytes(tensors: dict[str, TensorInfo]) -> Counter:
+    found: Counter = Counter()
+    for name, t in tensors.items():
+        for pattern in _PREFIXES:
+            m = pattern.match(name)
+            if m:
+                found[m.group(0)] += t.nbytes
+                break
+    return found
+
+
+def _strip(tensors: dict[str, TensorInfo], prefix: str) -> dict[str, TensorInfo]:
+    return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+
+
+def _choose_prefix(tensors: dict[str, TensorInfo], total: int) -> str:
+    """The component is whatever holds most bytes: a known prefix, the raw keys, or (AuraFlow-style) ``model.``."""
+    found = _prefix_bytes(tensors)
+    if found:
+        prefix, nbytes = max(found.items(), key=lambda kv: (kv[1], len(kv[0])))
+        if 2 * nbytes >= total:
+            return prefix
+    if _detect(tensors) is None:
+        stripped = _strip(tensors, "model.")
+        if 2 * sum(t.nbytes for t in stripped.values()) >= total and _detect(stripped) is not None:
+            return "model."
+    return ""
+
+
+def _block_groups(tensors: dict[str, TensorInfo]) -> list[BlockGroup]:
+    """Groups of keys ``PREFIX.N.rest`` with N = 0..count-1 whose members mostly share one structure."""
+    members: dict[str, dict[int, dict[str, int]]] = {}
+    for name, t in tensors.items():
+        m = _BLOCK_KEY.match(name)
+        if m:
+            rest = name[m.end():]
+            members.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[rest] = t.nbytes
+    groups = []
+    for prefix, by_index in members.items():
+        count = len(by_index)
+        if count < 2 or set(by_index) != set(range(count)):
+            continue  # nn.Sequential indices such as text_embedding.0 / .2 are not repeated blocks
+        structures = Counter(frozenset(v) for v in by_index.values())
+        if 2 * structures.most_common(1)[0][1] < count:
+            continue
+        groups.append(BlockGroup(prefix, count, [sum(by_index[i].values()) for i in range(count)]))
+    return sorted(groups, key=lambda g: -sum(g.bytes_per_block))
+
+
+# ------------------------------------------------------------------------------------------- detection
+
+@dataclass
+class _Detection:
+    kind: str
+    family: str
+    dims: dict[str, int]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _count(tensors: dict[str, TensorInfo], prefix: str) -> int:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return len({m.group(1) for k in tensors if (m := pattern.match(k))})
+
+
+_WAN_SIZES = {1536: "1.3b", 3072: "5b", 5120: "14b"}
+_WAN_ADDONS = {"control_adapter.conv.weight": ("wan2.2", "camera"),
+               "casual_audio_encoder.encoder.final_linear.weight": ("wan2.2", "s2v"),
+               "audio_proj.audio_proj_glob_1.layer.bias": ("wan2.1", "humo"),
+               "face_adapter.fuser_blocks.0.k_norm.weight": ("wan2.2", "animate")}
+
+
+def _detect_wan(t: dict[str, TensorInfo]) -> _Detection | None:
+    """Wan 2.1/2.2 DiT (comfy/ldm/wan/model.py; detection mirrors comfy/model_detection.py)."""
+    if "head.modulation" not in t or "patch_embedding.weight" not in t or len(t["patch_embedding.weight"].shape) != 5:
+        return None
+    dim, in_ch, pt, ph, pw = t["patch_embedding.weight"].shape
+    out_ch = t["head.head.weight"].shape[0] // (pt * ph * pw) if "head.head.weight" in t else in_ch
+    ffn = t["blocks.0.ffn.0.weight"].shape[0] if "blocks.0.ffn.0.weight" in t else 4 * dim
+    text_dim = t["text_embedding.0.weight"].shape[1] if "text_embedding.0.weight" in t else 4096
+    has_img = "img_emb.proj.0.bias" in t
+    version, variant = "wan2.1", "t2v"
+    addon = next((v for k, v in _WAN_ADDONS.items() if k in t), None)
+    if addon:
+        version, variant = addon
+    elif "vace_patch_embedding.weight" in t:
+        variant = "vace"
+    elif "img_emb.emb_pos" in t:
+        variant = "flf2v"
+    elif has_img:
+        variant = "i2v"
+    elif in_ch == 48:
+        version, variant = "wan2.2", "ti2v"
+    elif in_ch == 36:
+        version, variant = "wan2.2", "i2v"
+    warnings = [] if in_ch in (16, 36, 48) or addon or variant == "vace" else [
+        f"Wan DiT with {in_ch} input channels is not a known variant; sized as a generic Wan {variant} model."]
+    size = _WAN_SIZES.get(dim)
+    family = f"{version}-{variant}" + (f"-{size}" if size else "")
+    wan22_vae = out_ch == 48
+    dims = dict(hidden=dim, ffn=ffn, heads=max(1, dim // 128), head_dim=128, layers=_count(t, "blocks."),
+                in_channels=in_ch, out_channels=out_ch, text_dim=text_dim, text_len=512 + (257 if has_img else 0),
+                patch_t=pt, patch_h=ph, patch_w=pw, z_channels=out_ch, vae_t=4, vae_s=16 if wan22_vae else 8)
+    return _Detection("dit", family, dims, warnings)
+
+
+def _detect_ltxv(t: dict[str, TensorInfo]) -> _Detection | None:
+    """LTX-Video DiT (comfy/ldm/lightricks/model.py). PixArt shares adaln_single but has pos_embed."""
+    if "adaln_single.emb.timestep_embedder.linear_1.bias" not in t or "pos_embed.proj.bias" in t:
+        return None
+    if "patchify_proj.weight" not in t:
+        return None
+    hidden, in_ch = t["patchify_proj.weight"].shape
+    to_k = t.get("transformer_blocks.0.attn2.to_k.weight")
+    ff = t.get("transformer_blocks.0.ff.net.0.proj.weight")
+    caption = t.get("caption_projection.linear_1.weight")
+    heads = 32  # ComfyUI hard-codes 32 heads and derives the head size from attn2.to_k
+    dims = dict(hidden=hidden, ffn=ff.shape[0] if ff else 4 * hidden, heads=heads,
+                head_dim=(to_k.shape[0] if to_k else hidden) // heads, layers=_count(t, "transformer_blocks."),
+                in_channels=in_ch, out_channels=t["proj_out.weight"].shape[0] if "proj_out.weight" in t else in_ch,
+                text_dim=caption.shape[1] if caption else 4096, cross_dim=to_k.shape[1] if to_k else hidden,
+                text_len=128, patch_t=1, patch_h=1, patch_w=1, z_channels=in_ch, vae_t=8, vae_s=32)
+    return _Detection("dit", "ltxv", dims)
+
+
+def _detect_t5(t: dict[str, TensorInfo]) -> _Detection | None:
+    """T5 / UMT5 encoders in ComfyUI's layout (comfy/text_encoders/t5.py): encoder.block.N + shared."""
+    q = t.get("encoder.block.0.layer.0.SelfAttention.q.weight")
+    if q is None or "shared.weight" not in t:
+        return None
+    vocab, d_model = t["shared.weight"].shape
+    layers = _count(t, "encoder.block.")
+    bias = "encoder.block.{}.layer.0.SelfAttention.relative_attention_bias.weight"
+    umt5 = layers > 1 and bias.format(1) in t  # UMT5 has a relative-attention bias in every block
+    heads = t[bias.format(0)].shape[1] if bias.format(0) in t else 64
+    gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in t
+    wi = t.get("encoder.block.0.layer.1.DenseReluDense.wi_0.weight" if gated
+               else "encoder.block.0.layer.1.DenseReluDense.wi.weight")
+    name = "umt5" if umt5 else "t5"
+    size = {4096: "xxl", 2048: "xl", 1024: "large", 768: "base", 512: "small"}.get(d_model)
+    dims = dict(hidden=d_model, ffn=wi.shape[0] if wi else 4 * d_model, heads=heads, head_dim=q.shape[0] // heads,
+                layers=layers, vocab=vocab, gated_ffn=int(gated))
+    return _Detection("text_encoder", f"{name}-{size}" if size else name, dims)
+
+
+_GEMMA_LAYERS = ("model.language_model.layers.", "language_model.model.layers.", "model.layers.")
+_GEMMA3_SIZES = {1152: "1b", 2560: "4b", 3840: "12b", 5376: "27b"}
+
+
+def _detect_gemma(t: dict[str, TensorInfo]) -> _Detection | None:
+    """Gemma 2/3 text encoders: HF layouts (old and new transformers naming) and ComfyUI's (model.layers.N)."""
+    base = next((p for p in _GEMMA_LAYERS if p + "0.post_feedforward_layernorm.weight" in t), None)
+    if base is None:
+        return None
+    root = base[: -len("layers.")]
+    q = t[base + "0.self_attn.q_proj.weight"]
+    k = t[base + "0.self_attn.k_proj.weight"]
+    gemma3 = base + "0.self_attn.q_norm.weight" in t
+    head_dim = t[base + "0.self_attn.q_norm.weight"].shape[0] if gemma3 else 256
+    vocab, hidden = t[root + "embed_tokens.weight"].shape if root + "embed_tokens.weight" in t else (0, q.shape[1])
+    dims = dict(hidden=hidden, ffn=t[base + "0.mlp.gate_proj.weight"].shape[0], heads=q.shape[0] // head_dim,
+                kv_heads=k.shape[0] // head_dim, head_dim=head_dim, layers=_count(t, base), vocab=vocab, gated_ffn=1)
+    size = _GEMMA3_SIZES.get(hidden) if gemma3 else {2304: "2b"}.get(hidden)
+    name = "gemma3" if gemma3 else "gemma2"
+    return _Detection("text_encoder", f"{name}-{size}" if size else name, dims)
+
+
+def _detect_wan_vae(t: dict[str, TensorInfo]) -> _Detection | None:
+    """Wan 2.1 (z 16, 4x8x8) and 2.2 (z 48, 4x16x16, 2x2 output patches) VAEs (comfy/ldm/wan/vae*.py)."""
+    if "decoder.middle.0.residual.0.gamma" not in t or "decoder.head.2.weight" not in t:
+        return None
+    wan22 = "decoder.upsamples.0.upsamples.0.residual.2.weight" in t
+    head = t["decoder.head.2.weight"].shape  # [3 * p * p, C_last, 3, 3, 3]
+    dims = dict(z_channels=t["decoder.conv1.weight"].shape[1], vae_t=4, vae_s=16 if wan22 else 8,
+                dec_channels=head[1], out_patch=math.isqrt(head[0] // 3), causal=1)
+    return _Detection("vae", "wan2.2-vae" if wan22 else "wan-vae", dims)
+
+
+def _detect_ltxv_vae(t: dict[str, TensorInfo]) -> _Detection | None:
+    """LTX-Video causal VAE (comfy/ldm/lightricks/vae/): 128 latent channels, 8x32x32, 4x4 output patches."""
+    if "decoder.up_blocks.0.res_blocks.0.conv1.conv.weight" not in t or "decoder.conv_out.conv.weight" not in t:
+        return None
+    out = t["decoder.conv_out.conv.weight"].shape
+    dims = dict(z_channels=t["decoder.conv_in.conv.weight"].shape[1], vae_t=8, vae_s=32, dec_channels=out[1],
+                out_patch=math.isqrt(out[0] // 3), causal=0)
+    return _Detection("vae", "ltxv-vae", dims)
+
+
+_DETECTORS = (_detect_wan, _detect_ltxv, _detect_t5, _detect_gemma, _detect_wan_vae, _detect_ltxv_vae)
+
+
+def _detect(tensors: dict[str, TensorInfo]) -> _Detection | None:
+    return next((d for d in (f(tensors) for f in _DETECTORS) if d is not None), None)
+
+
+# ---------------------------------------------------------------------------------------------- sizing
+
+def _merge(headers: list[Header]) -> dict[str, TensorInfo]:
+    merged: dict[str, TensorInfo] = {}
+    origin: dict[str, str] = {}
+    for h in headers:
+        for name, t in h.tensors.items():
+            if name in merged:
+                raise SizingError(f"tensor '{name}' is in both {origin[name]} and {h.path}; the sharded model is "
+                                  "mixed up: re-download it.")
+            merged[name], origin[name] = t, h.path
+    return merged
+
+
+def size_component(path: str | os.PathLike, prefix: str | None = None) -> ComponentSize:
+    """Size, classify and find the repeated blocks of one component, reading headers only.
+
+    ``prefix`` picks a part of a combined checkpoint (e.g. ``"vae."``); by default the prefix holding most
+    bytes is the component and the other parts are reported in ``warnings``.
+    """
+    path = os.fspath(path)
+    everything = _merge(read_headers(path))
+    grand_total = sum(t.nbytes for t in everything.values())
+    if prefix is None:
+        prefix = _choose_prefix(everything, grand_total)
+    tensors = _strip(everything, prefix)
+    if not tensors:
+        raise SizingError(f"{path} has no tensor whose name starts with {prefix!r}; check the prefix "
+                          f"(found e.g. {', '.join(list(everything)[:3])}).")
+
+    detection = _detect(tensors)
+    warnings: list[str] = []
+    if detection is None:
+        sample = ", ".join(sorted(tensors)[:4])
+        warnings.append(f"{path}: not a recognised model family ({len(tensors)} tensors, e.g. {sample}); "
+                        "sized generically, memory estimates will be rough.")
+        detection = _Detection("unknown", "unknown", {})
+    warnings += detection.warnings
+    others = Counter()
+    for k, t in everything.items():
+        if not k.startswith(prefix):
+            others[next((m.group(0) for p in _PREFIXES if (m := p.match(k))), k.split(".")[0] + ".")] += t.nbytes
+    if others:
+        parts = ", ".join(f"{p!r}: {n} bytes" for p, n in others.most_common())
+        warnings.append(f"{path} also holds tensors outside {prefix!r} ({parts}); they are not counted here. "
+                        "Size them with size_component(path, prefix=...).")
+
+    total = sum(t.nbytes for t in tensors.values())
+    by_dtype: Counter = Counter()
+    for t in tensors.values():
+        by_dtype[t.dtype] += t.nbytes
+    matrices = [t for t in tensors.values() if t.dtype in FLOAT_DTYPES and len(t.shape) >= 2]
+    groups = _block_groups(tensors)
+    return ComponentSize(
+        path=path, kind=detection.kind, family=detection.family, total_bytes=total,
+        params=sum(t.numel for t in tensors.values()), bytes_by_dtype=dict(by_dtype), blocks=groups,
+        bytes_outside_blocks=total - (sum(groups[0].bytes_per_block) if groups else 0), dims=detection.dims,
+        key_prefix=prefix, warnings=warnings, matrix_params=sum(t.numel for t in matrices),
+        matrix_bytes=sum(t.nbytes for t in matrices))
+
+
+def size_from_bytes(kind: str, family: str, total_bytes: int, dims: dict[str, int] | None = None,
+                    layers: int = 0, bytes_outside_blocks: int = 0, itemsize: int = 2) -> ComponentSize:
+    """A ComponentSize without a file ("sizes only" planning): blocks split the non-outside bytes evenly.
+
+    Everything is assumed to be floating weight matrices of ``itemsize`` bytes, so ``weight_bytes`` can recast.
+    """
+    if total_bytes <= 0 or bytes_outside_blocks < 0 or bytes_outside_blocks > total_bytes:
+        raise SizingError(f"size_from_bytes: need 0 <= bytes_outside_blocks ({bytes_outside_blocks}) <= "
+                          f"total_bytes ({total_bytes}) and total_bytes > 0.")
+    in_blocks = total_bytes - bytes_outside_blocks if layers else 0
+    per_block = [in_blocks // layers + (i < in_blocks % layers) for i in range(layers)] if layers else []
+    return ComponentSize(
+        path="", kind=kind, family=family, total_bytes=total_bytes, params=total_bytes // itemsize,
+        bytes_by_dtype={}, blocks=[BlockGroup("blocks", layers, per_block)] if layers else [],
+        bytes_outside_blocks=total_bytes - in_blocks, dims=dict(dims or {}), key_prefix="",
+        warnings=[], matrix_params=total_bytes // itemsize, matrix_bytes=total_bytes)

@@ -1,0 +1,161 @@
+"""mgpu.estimates: token counts, working-memory formulas and weight recasting on full-size layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+import ckpt_layouts as L
+from mgpu.errors import SizingError
+from mgpu.estimates import (CUDA_OVERHEAD_BYTES, GiB, Workload, dit_tokens, dit_working_bytes,
+                            text_encoder_working_bytes, vae_decode_bytes, weight_bytes)
+from mgpu.sizing import size_component, size_from_bytes
+
+P720 = Workload(width=1280, height=720, frames=81)
+
+
+@pytest.fixture(scope="module")
+def sizes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("est")
+    layouts = {"wan14": L.wan21_t2v_14b(), "wan5": L.wan22_ti2v_5b(), "ltxv": L.ltxv_2b(), "umt5": L.umt5_xxl(),
+               "gemma": L.gemma3_12b(), "wan_vae": L.wan_vae(), "wan22_vae": L.wan_vae("2.2"), "ltxv_vae": L.ltxv_vae()}
+    return {n: size_component(L.write_safetensors(folder / f"{n}.safetensors", lay, sparse=True))
+            for n, lay in layouts.items()}
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+
+def test_wan_720p_81_frames_is_75600_tokens(sizes):
+    assert dit_tokens(sizes["wan14"], P720) == 75_600  # 21 latent frames x 45 x 80 patches
+
+
+def test_tokens_of_other_compressions(sizes):
+    # Wan2.2 5B: 4x16x16 VAE then 2x2 patches; 1280x704x121 -> 31 x 22 x 40
+    assert dit_tokens(sizes["wan5"], Workload(1280, 704, 121)) == 31 * 22 * 40
+    # LTXV: 8x32x32 VAE, 1x1x1 patches; 768x512x97 -> 13 x 16 x 24
+    assert dit_tokens(sizes["ltxv"], Workload(768, 512, 97)) == 13 * 16 * 24
+    # odd latent sizes are padded up to whole patches: 832x488 -> latent 61 x 104 -> 31 x 52 patches
+    assert dit_tokens(sizes["wan14"], Workload(832, 488, 1)) == 31 * 52
+
+
+def test_cfg_doubles_the_dit_batch():
+    assert Workload(batch=3, cfg=True).dit_batch == 6 and Workload(batch=3, cfg=False).dit_batch == 3
+
+
+# ------------------------------------------------------------------------------------------------- DiT
+
+def test_dit_working_memory_grows_with_frames_resolution_and_batch(sizes):
+    wan = sizes["wan14"]
+    base = dit_working_bytes(wan, Workload(832, 480, 33))
+    assert dit_working_bytes(wan, Workload(832, 480, 81)) > base
+    assert dit_working_bytes(wan, Workload(1280, 720, 33)) > base
+    assert dit_working_bytes(wan, Workload(832, 480, 33), batch=4) > dit_working_bytes(wan, Workload(832, 480, 33))
+    assert dit_working_bytes(wan, Workload(832, 480, 33, cfg=False)) < base
+
+
+def test_dit_activations_scale_linearly_with_batch_under_sdpa(sizes):
+    one = dit_working_bytes(sizes["wan14"], P720, batch=1) - CUDA_OVERHEAD_BYTES
+    two = dit_working_bytes(sizes["wan14"], P720, batch=2) - CUDA_OVERHEAD_BYTES
+    assert 1.95 < two / one <= 2.0
+
+
+def test_math_attention_needs_more_and_grows_quadratically(sizes):
+    wan = sizes["wan14"]
+    assert dit_working_bytes(wan, P720, attention="math") > dit_working_bytes(wan, P720, attention="sdpa")
+    short, long = Workload(1280, 720, 21), Workload(1280, 720, 81)  # 6 vs 21 latent frames
+    growth_math = dit_working_bytes(wan, long, attention="math") / dit_working_bytes(wan, short, attention="math")
+    growth_sdpa = dit_working_bytes(wan, long) / dit_working_bytes(wan, short)
+    assert growth_math > growth_sdpa
+
+
+def test_wan14b_720p_numbers_are_in_a_plausible_range(sizes):
+    """Lower bound from first principles: one bf16 copy of the hidden states is 0.77 GB per batch item and a block
+    holds at least ten. Upper bound: one 80 GB GPU runs this model with CFG once the weights are offloaded."""
+    b2 = dit_working_bytes(sizes["wan14"], P720)
+    b1 = dit_working_bytes(sizes["wan14"], P720, batch=1)
+    assert 8 * GiB < b1 < b2 < 40 * GiB
+
+
+# ----------------------------------------------------------------------------------- text encoders
+
+def test_text_encoder_memory_grows_with_tokens_and_batch(sizes):
+    for name in ("umt5", "gemma"):
+        te = sizes[name]
+        assert text_encoder_working_bytes(te, tokens=1024) > text_encoder_working_bytes(te, tokens=512)
+        assert text_encoder_working_bytes(te, batch=4) > text_encoder_working_bytes(te, batch=2)
+        assert text_encoder_working_bytes(te) > CUDA_OVERHEAD_BYTES
+
+
+# ------------------------------------------------------------------------------------------------ VAE
+
+@pytest.mark.parametrize("vae", ["wan_vae", "wan22_vae", "ltxv_vae"])
+def test_tiled_decode_needs_less_than_untiled(sizes, vae):
+    size = sizes[vae]
+    wl = Workload(1280, 720, 121)
+    assert vae_decode_bytes(size, wl, tiled=True) < vae_decode_bytes(size, wl, tiled=False)
+
+
+@pytest.mark.parametrize("vae", ["wan_vae", "ltxv_vae"])
+def test_vae_decode_grows_with_resolution_and_frames(sizes, vae):
+    size = sizes[vae]
+    small = vae_decode_bytes(size, Workload(832, 480, 33), tiled=False)
+    assert vae_decode_bytes(size, Workload(1280, 720, 33), tiled=False) > small
+    assert vae_decode_bytes(size, Workload(832, 480, 97), tiled=False) > small
+    assert vae_decode_bytes(size, Workload(832, 480, 33, batch=2), tiled=False) > small
+
+
+def test_tiling_a_small_video_changes_nothing(sizes):
+    wl = Workload(320, 256, 17)  # smaller than one tile in every direction
+    for vae in ("wan_vae", "ltxv_vae"):
+        assert vae_decode_bytes(sizes[vae], wl, tiled=True) == vae_decode_bytes(sizes[vae], wl, tiled=False)
+
+
+def test_causal_wan_decode_barely_depends_on_frames_but_ltxv_does(sizes):
+    """Wan decodes one latent frame at a time (only the output buffer grows); LTXV decodes all frames at once."""
+    def growth(vae):
+        return (vae_decode_bytes(sizes[vae], Workload(832, 480, 161), tiled=False)
+                / vae_decode_bytes(sizes[vae], Workload(832, 480, 17), tiled=False))
+    assert growth("wan_vae") < 1.5 < growth("ltxv_vae")
+
+
+# -------------------------------------------------------------------------------------------- weights
+
+def test_fp8_weights_are_about_half_of_bf16(sizes):
+    wan = sizes["wan14"]
+    bf16, fp8 = weight_bytes(wan, "bf16"), weight_bytes(wan, "fp8_e4m3fn")
+    assert bf16 == wan.total_bytes  # the file is bf16 already
+    assert 0.49 < fp8 / bf16 < 0.51
+    assert fp8 == L.layout_bytes(L.recast(L.wan21_t2v_14b(), "F8_E4M3"))  # norms and biases stay bf16
+    assert weight_bytes(wan, "fp32") == L.layout_bytes(L.recast(L.wan21_t2v_14b(), "F32"))
+    assert weight_bytes(wan, None) == wan.total_bytes
+
+
+def test_recasting_an_fp8_file_back_to_bf16(tmp_path):
+    layout = L.recast(L.wan_dit_tiny(), "F8_E4M3")
+    size = size_component(L.write_safetensors(tmp_path / "fp8.safetensors", layout, sparse=True))
+    assert weight_bytes(size, "bf16") == L.layout_bytes(L.wan_dit_tiny())
+
+
+def test_size_from_bytes_supports_sizes_only_planning():
+    size = size_from_bytes("dit", "wan2.1-t2v-14b", 28 * 10**9, dims={"hidden": 5120}, layers=40,
+                           bytes_outside_blocks=10**9)
+    assert size.blocks[0].count == 40 and sum(size.blocks[0].bytes_per_block) == 27 * 10**9
+    assert weight_bytes(size, "fp8_e4m3fn") == 14 * 10**9
+    with pytest.raises(SizingError, match="bytes_outside_blocks"):
+        size_from_bytes("dit", "x", 10, bytes_outside_blocks=20)
+
+
+# --------------------------------------------------------------------------------------- bad requests
+
+def test_bad_requests_raise_clear_errors(sizes):
+    with pytest.raises(SizingError, match="needs a recognised dit"):
+        dit_tokens(sizes["wan_vae"], P720)
+    with pytest.raises(SizingError, match="needs a recognised vae"):
+        vae_decode_bytes(sizes["wan14"], P720, tiled=True)
+    with pytest.raises(SizingError, match="'flash2' is not one of"):
+        dit_working_bytes(sizes["wan14"], P720, attention="flash2")
+    with pytest.raises(SizingError, match="weight dtype 'q4_k' is not known"):
+        weight_bytes(sizes["wan14"], "q4_k")
+    with pytest.raises(SizingError, match="must all be >= 1"):
+        Workload(frames=0)
+    with pytest.raises(SizingError, match="smaller than one latent pixel"):
+        dit_tokens(sizes["ltxv"], Workload(16, 16, 9))
