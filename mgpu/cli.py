@@ -1,0 +1,112 @@
+"""`python -m mgpu devices | plan`: the runtime from a shell, without ComfyUI.
+
+Bad input exits with code 2 and one line on stderr; a plan that cannot fit exits with code 3 and the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mgpu.errors import MgpuError, PlanError
+
+
+def _add_devices_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", metavar="SPEC",
+                   help="simulate devices instead of reading the live ones, e.g. 2x24GiB, cuda:0=80GiB,cuda:1=24GiB, "
+                        "4x16GiB:pcie (default: env MGPU_DEVICES, else NVML / torch.cuda)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mgpu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("devices", help="list the GPUs and the host with their free memory and links")
+    _add_devices_arg(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("plan", help="decide where the text encoder, DiT and VAE live for a workload")
+    p.add_argument("--dit", required=True, metavar="FILE", help="diffusion transformer (.safetensors or sharded folder)")
+    p.add_argument("--text-encoder", metavar="FILE")
+    p.add_argument("--vae", metavar="FILE")
+    p.add_argument("--dit-dtype", metavar="DTYPE", help="run the DiT in this weight dtype (e.g. fp8_e4m3fn, bf16)")
+    p.add_argument("--text-encoder-dtype", metavar="DTYPE")
+    _add_devices_arg(p)
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=True,
+                   help="classifier-free guidance (cond + uncond per step); --no-cfg for distilled models")
+    p.add_argument("--reserve", default="512MiB", metavar="BYTES", help="memory kept free on every GPU (default 512MiB)")
+    p.add_argument("--offload", action="store_true", help="allow CPU offload of the DiT weights (slow)")
+    p.add_argument("--speed", action="store_true", help="shard over all GPUs even when fewer would fit")
+    p.add_argument("--keep-text-encoder", action="store_true",
+                   help="keep the text encoder loaded while sampling (default: freed before sampling)")
+    p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    return parser
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from mgpu.devices import format_bytes, inventory
+
+    devices = inventory(args.devices)
+    if args.json:
+        print(json.dumps([d.to_dict() for d in devices], indent=2))
+        return 0
+    for d in devices:
+        extra = []
+        if d.capability:
+            extra.append(f"sm {d.capability[0]}.{d.capability[1]}")
+        if d.pcie_gen:
+            extra.append(f"PCIe {d.pcie_gen} x{d.pcie_width}")
+        if d.links:
+            extra.append("links " + ", ".join(f"cuda:{i} {kind}" for i, kind in d.links))
+        if d.simulated:
+            extra.append("simulated")
+        print(f"{d.id:8} {d.name:32} free {format_bytes(d.free_bytes):>10} of {format_bytes(d.total_bytes):>10}"
+              + (f"  ({'; '.join(extra)})" if extra else ""))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mgpu.devices import inventory, parse_bytes
+    from mgpu.estimates import Workload, weight_bytes
+    from mgpu.partition import Component, Policy, make_plan
+    from mgpu.sizing import size_component
+
+    for name in ("width", "height", "frames", "batch"):
+        if getattr(args, name) < 1:
+            raise MgpuError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    components = [Component("dit", size_component(args.dit), args.dit_dtype)]
+    if args.text_encoder:
+        components.append(Component("text_encoder", size_component(args.text_encoder), args.text_encoder_dtype))
+    if args.vae:
+        components.append(Component("vae", size_component(args.vae)))
+    for c in components:  # a bad dtype is bad input: say so before reading any device
+        weight_bytes(c.size, c.weight_dtype)
+    devices = inventory(args.devices)
+    workload = Workload(width=args.width, height=args.height, frames=args.frames, batch=args.batch, cfg=args.cfg)
+    policy = Policy(reserve_bytes=parse_bytes(args.reserve), allow_offload=args.offload, prefer_speed=args.speed,
+                    free_text_encoder_before_sampling=not args.keep_text_encoder)
+    for c in components:
+        for w in c.size.warnings:
+            print(f"warning: {c.size.path}: {w}", file=sys.stderr)
+    plan = make_plan(components, devices, workload, policy)
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "devices":
+            return _cmd_devices(args)
+        return _cmd_plan(args)
+    except PlanError as e:
+        print(f"error: no plan fits: {e}", file=sys.stderr)
+        return 3
+    except MgpuError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

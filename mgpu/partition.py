@@ -1,0 +1,405 @@
+"""The VRAM-aware partitioner: where each component lives and whether the DiT must be sharded.
+
+Memory model (every number is an estimate from `mgpu.estimates`, and the plan says which):
+
+* A run has three phases: ``encode`` (text encoder), ``sample`` (DiT), ``decode`` (VAE). A device's peak is the
+  largest, over the phases, of the weights resident in that phase plus the working memory of what runs there.
+* A single-device DiT or text encoder lives in ComfyUI's model management, which unloads models to make room,
+  so with ``Policy.free_text_encoder_before_sampling`` the encoder's weights are gone before sampling starts.
+* An FSDP-sharded DiT lives in the rank processes for as long as the pool holds it, so its shard is resident in
+  every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank.
+* A device's budget is its free memory minus ``Policy.reserve_bytes`` (CUDA context, allocator fragmentation);
+  the host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from mgpu.devices import Device, format_bytes
+from mgpu.errors import PlanError
+from mgpu.estimates import (
+    Workload,
+    dit_working_bytes,
+    text_encoder_working_bytes,
+    vae_decode_bytes,
+    weight_bytes,
+)
+from mgpu.sizing import ComponentSize
+
+GiB = 1 << 30
+ROLES = ("text_encoder", "dit", "vae")
+PHASES = ("encode", "sample", "decode")
+_PHASE_OF = {"text_encoder": "encode", "dit": "sample", "vae": "decode"}
+
+
+@dataclass
+class Component:
+    """One model file to place, with the weight dtype it will run in (None: as stored)."""
+
+    role: str
+    size: ComponentSize
+    weight_dtype: str | None = None
+
+
+@dataclass
+class Policy:
+    reserve_bytes: int = 512 << 20  # other processes, allocator growth; the CUDA context is in the estimates
+    host_reserve_bytes: int = 4 * GiB
+    free_text_encoder_before_sampling: bool = True
+    allow_offload: bool = False
+    prefer_speed: bool = False
+    text_encoder_tokens: int = 512
+    # Gathered blocks an FSDP rank holds at once: the one computing plus the one prefetched.
+    gathered_blocks: int = 2
+
+
+@dataclass
+class Placement:
+    """Where one component lives and what it costs there."""
+
+    role: str
+    file: str
+    family: str
+    strategy: str  # "single" | "fsdp" | "offload" | "cpu"
+    devices: list[str]
+    weight_dtype: str
+    weight_bytes: int
+    resident_bytes: dict[str, int]  # weights held per device while resident
+    working_bytes: dict[str, int]  # transient memory per device while this component runs
+    tiled: bool = False  # VAE only: decode in tiles
+    batch_per_rank: int | None = None  # FSDP only: DiT batch each rank computes (CFG split)
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DeviceUse:
+    device: str
+    budget_bytes: int
+    peak_bytes: int
+    by_phase: dict[str, int]
+    holds: list[str]
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.budget_bytes - self.peak_bytes
+
+
+@dataclass
+class Plan:
+    placements: list[Placement]
+    usage: list[DeviceUse]
+    devices: list[dict]
+    workload: dict
+    policy: dict
+    reasons: list[str]
+
+    def placement(self, role: str) -> Placement | None:
+        return next((p for p in self.placements if p.role == role), None)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for u, use in zip(d["usage"], self.usage):
+            u["headroom_bytes"] = use.headroom_bytes
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        usage = [DeviceUse(**{k: v for k, v in u.items() if k != "headroom_bytes"}) for u in d["usage"]]
+        return cls(
+            placements=[Placement(**p) for p in d["placements"]],
+            usage=usage,
+            devices=d["devices"],
+            workload=d["workload"],
+            policy=d["policy"],
+            reasons=list(d["reasons"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def table(self) -> str:
+        """A readable table: device, what it holds, peak bytes, budget, headroom; then the reasons."""
+        rows = [("device", "holds", "peak", "budget", "headroom")]
+        for u in self.usage:
+            rows.append((u.device, ", ".join(u.holds) or "-", format_bytes(u.peak_bytes),
+                         format_bytes(u.budget_bytes), format_bytes(u.headroom_bytes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        for p in self.placements:
+            lines.append(f"{p.role}: {p.strategy} on {', '.join(p.devices)} ({p.family}, {p.weight_dtype}, "
+                         f"{format_bytes(p.weight_bytes)})")
+            lines.extend(f"  - {r}" for r in p.reasons)
+        lines.extend(f"- {r}" for r in self.reasons)
+        return "\n".join(lines)
+
+
+class _Ledger:
+    """Per device and phase, the bytes committed so far; the partitioner only adds what fits."""
+
+    def __init__(self, devices: list[Device], policy: Policy):
+        self.budget: dict[str, int] = {}
+        for d in devices:
+            reserve = policy.host_reserve_bytes if d.kind == "cpu" else policy.reserve_bytes
+            self.budget[d.id] = max(0, d.free_bytes - reserve)
+        self.used = {d.id: dict.fromkeys(PHASES, 0) for d in devices}
+        self.holds: dict[str, list[str]] = {d.id: [] for d in devices}
+
+    def fits(self, need: dict[str, dict[str, int]]) -> bool:
+        return all(self.used[dev][ph] + b <= self.budget[dev] for dev, phases in need.items() for ph, b in phases.items())
+
+    def shortfall(self, need: dict[str, dict[str, int]]) -> list[dict]:
+        out = []
+        for dev, phases in need.items():
+            peak = max(self.used[dev][ph] + b for ph, b in phases.items())
+            out.append({"device": dev, "need_bytes": peak, "budget_bytes": self.budget[dev]})
+        return out
+
+    def commit(self, need: dict[str, dict[str, int]], label: str) -> None:
+        for dev, phases in need.items():
+            for ph, b in phases.items():
+                self.used[dev][ph] += b
+            self.holds[dev].append(label)
+
+    def free(self, dev: str) -> int:
+        return self.budget[dev] - max(self.used[dev].values())
+
+
+def _phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]:
+    """The phases in which a component's weights occupy its device."""
+    if role == "dit":
+        # Rank processes and pinned host copies are outside ComfyUI's model management: they persist.
+        return PHASES if strategy in ("fsdp", "offload") else ("sample", "decode")
+    if role == "text_encoder":
+        return ("encode",) if policy.free_text_encoder_before_sampling else PHASES
+    return ("decode",)
+
+
+def _need(role: str, strategy: str, policy: Policy, resident: dict[str, int], working: dict[str, int]) -> dict:
+    phases = _phases_resident(role, strategy, policy)
+    run = _PHASE_OF[role]
+    need: dict[str, dict[str, int]] = {}
+    for dev in set(resident) | set(working):
+        need[dev] = {ph: resident.get(dev, 0) for ph in phases}
+        need[dev][run] = need[dev].get(run, 0) + working.get(dev, 0)
+    return need
+
+
+def _dtype_name(size: ComponentSize, dtype: str | None) -> str:
+    if dtype:
+        return dtype
+    if not size.bytes_by_dtype:
+        return "unknown"
+    return max(size.bytes_by_dtype.items(), key=lambda kv: kv[1])[0].lower()
+
+
+def _largest_block(size: ComponentSize, wbytes: int) -> int:
+    """Bytes of the largest repeated block after recasting (scaled with the dtype change)."""
+    if not size.blocks:
+        return 0
+    scale = wbytes / size.total_bytes if size.total_bytes else 1.0
+    return int(max(max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block) * scale)
+
+
+def _fsdp_need(size: ComponentSize, wbytes: int, wl: Workload, ranks: int, policy: Policy) -> tuple[int, int, int]:
+    """(resident per rank, working per rank, batch per rank) for a DiT sharded over `ranks` ranks.
+
+    Resident: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root
+    FSDP unit keeps gathered for the whole forward. Working: the activations of this rank's slice of the
+    CFG/batch split, plus the gathered blocks (computing + prefetched).
+    """
+    batch = math.ceil(wl.dit_batch / ranks)
+    scale = wbytes / size.total_bytes if size.total_bytes else 1.0
+    outside = int(size.bytes_outside_blocks * scale)
+    resident = math.ceil(wbytes / ranks) + outside
+    working = dit_working_bytes(size, wl, batch=batch) + policy.gathered_blocks * _largest_block(size, wbytes)
+    return resident, working, batch
+
+
+def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
+               ledger: _Ledger, attempts: list[str]) -> Placement:
+    size = comp.size
+    wbytes = weight_bytes(size, comp.weight_dtype)
+    base = dict(role="dit", file=size.path, family=size.family, weight_dtype=_dtype_name(size, comp.weight_dtype),
+                weight_bytes=wbytes)
+    by_budget = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index))
+
+    def fsdp(group: list[Device], why: str) -> Placement | None:
+        resident, working, batch = _fsdp_need(size, wbytes, wl, len(group), policy)
+        res = {d.id: resident for d in group}
+        work = {d.id: working for d in group}
+        need = _need("dit", "fsdp", policy, res, work)
+        if not ledger.fits(need):
+            attempts.append(f"DiT sharded over {len(group)} GPUs needs {format_bytes(resident + working)} per rank "
+                            f"({format_bytes(resident)} shard + {format_bytes(working)} working, batch {batch} per rank); "
+                            f"smallest budget is {format_bytes(min(ledger.free(d.id) for d in group))}")
+            return None
+        ledger.commit(need, "DiT shard")
+        reasons = [why, f"each rank holds 1/{len(group)} of the weights ({format_bytes(math.ceil(wbytes / len(group)))}) "
+                        f"plus {policy.gathered_blocks} gathered blocks while computing",
+                   f"CFG/batch split: each rank computes {batch} of the {wl.dit_batch} DiT batch items per step"]
+        if len({d.free_bytes for d in group}) > 1:
+            reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
+        return Placement(**base, strategy="fsdp", devices=[d.id for d in group], resident_bytes=res,
+                         working_bytes=work, batch_per_rank=batch, reasons=reasons)
+
+    if policy.prefer_speed and len(gpus) >= 2:
+        group = sorted(gpus, key=lambda d: d.index)
+        placed = fsdp(group, f"speed asked for: sharded over all {len(group)} GPUs")
+        if placed:
+            return placed
+
+    working1 = dit_working_bytes(size, wl, batch=1)
+    for d in by_budget:
+        need = _need("dit", "single", policy, {d.id: wbytes}, {d.id: working1})
+        if ledger.fits(need):
+            ledger.commit(need, "DiT")
+            return Placement(**base, strategy="single", devices=[d.id], resident_bytes={d.id: wbytes},
+                             working_bytes={d.id: working1},
+                             reasons=[f"fits on {d.id} with {format_bytes(ledger.free(d.id))} to spare; CFG runs "
+                                      f"cond and uncond as ComfyUI does on one device"])
+    if by_budget:
+        best = by_budget[0]
+        attempts.append(f"DiT on one GPU needs {format_bytes(wbytes + working1)} ({format_bytes(wbytes)} weights + "
+                        f"{format_bytes(working1)} working); largest budget is {format_bytes(ledger.free(best.id))} on {best.id}")
+
+    for k in range(2, len(gpus) + 1):
+        # The k GPUs with the largest budgets: adding a smaller one can only lower the shared bound.
+        group = sorted(by_budget[:k], key=lambda d: d.index)
+        placed = fsdp(group, f"too large for one GPU: sharded over the fewest GPUs that fit ({k})")
+        if placed:
+            return placed
+
+    if host is not None and policy.allow_offload and by_budget:
+        compute = by_budget[0]
+        stream = policy.gathered_blocks * _largest_block(size, wbytes)
+        need = _need("dit", "offload", policy, {host.id: wbytes}, {compute.id: working1 + stream})
+        if ledger.fits(need):
+            ledger.commit(need, "DiT (offload)")
+            return Placement(**base, strategy="offload", devices=[compute.id, host.id],
+                             resident_bytes={host.id: wbytes}, working_bytes={compute.id: working1 + stream},
+                             reasons=[f"weights stay in host RAM and are streamed block by block to {compute.id}: "
+                                      f"works, but every step moves {format_bytes(wbytes)} over the bus"])
+        attempts.append(f"offload needs {format_bytes(working1 + stream)} on {compute.id} and "
+                        f"{format_bytes(wbytes)} of host RAM; host budget is {format_bytes(ledger.free(host.id))}")
+
+    if not gpus and host is not None:
+        need = _need("dit", "cpu", policy, {host.id: wbytes}, {host.id: working1})
+        if ledger.fits(need):
+            ledger.commit(need, "DiT")
+            return Placement(**base, strategy="cpu", devices=[host.id], resident_bytes={host.id: wbytes},
+                             working_bytes={host.id: working1},
+                             reasons=["no GPU: the DiT runs on the CPU (correct, very slow)"])
+        attempts.append(f"DiT on the CPU needs {format_bytes(wbytes + working1)} of host RAM; budget is "
+                        f"{format_bytes(ledger.free(host.id))}")
+    return None  # type: ignore[return-value]
+
+
+def _place_simple(comp: Component, candidates: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
+                  attempts: list[str]) -> Placement | None:
+    """Text encoder or VAE on one device: the first candidate with room (VAE: untiled, else tiled)."""
+    size = comp.size
+    wbytes = weight_bytes(size, comp.weight_dtype)
+    label = "text encoder" if comp.role == "text_encoder" else "VAE"
+    options: list[tuple[int, bool]]
+    if comp.role == "text_encoder":
+        options = [(text_encoder_working_bytes(size, tokens=policy.text_encoder_tokens,
+                                               batch=2 if wl.cfg else 1), False)]
+    else:
+        options = [(vae_decode_bytes(size, wl, tiled=False), False), (vae_decode_bytes(size, wl, tiled=True), True)]
+    # GPUs before the host; on GPUs, untiled anywhere before tiled anywhere.
+    gpus = [d for d in candidates if d.kind != "cpu"]
+    hosts = [d for d in candidates if d.kind == "cpu"]
+    tiers = [(gpus, o) for o in options] + [(hosts, o) for o in options]
+    for devices, (working, tiled) in tiers:
+        for d in devices:
+            strategy = "cpu" if d.kind == "cpu" else "single"
+            need = _need(comp.role, strategy, policy, {d.id: wbytes}, {d.id: working})
+            if not ledger.fits(need):
+                continue
+            ledger.commit(need, label + (" (tiled)" if tiled else ""))
+            reasons = [f"{format_bytes(wbytes)} weights + {format_bytes(working)} working fit on {d.id}"]
+            if comp.role == "text_encoder" and policy.free_text_encoder_before_sampling and d.kind != "cpu":
+                reasons.append("freed before sampling, so its memory is reused by the DiT")
+            if tiled:
+                reasons.append("untiled decode does not fit: decode in tiles")
+            if d.kind == "cpu":
+                reasons.append(f"no GPU has room left: runs on the CPU ({'once per prompt' if comp.role == 'text_encoder' else 'slow'})")
+            return Placement(role=comp.role, file=size.path, family=size.family, strategy=strategy, devices=[d.id],
+                             weight_dtype=_dtype_name(size, comp.weight_dtype), weight_bytes=wbytes,
+                             resident_bytes={d.id: wbytes}, working_bytes={d.id: working}, tiled=tiled,
+                             reasons=reasons)
+    attempts.append(f"{label} needs {format_bytes(wbytes + options[-1][0])} on one device; largest budget left is "
+                    f"{format_bytes(max((ledger.free(d.id) for d in candidates), default=0))}")
+    return None
+
+
+def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, wl: Workload) -> list[str]:
+    ways = []
+    dit = next((c for c in components if c.role == "dit"), None)
+    if dit is not None and (dit.weight_dtype or "").lower() not in ("fp8_e4m3fn", "fp8_e5m2"):
+        ways.append("load the DiT in fp8 (weight dtype fp8_e4m3fn) to halve its weights")
+    ways.append("use more GPUs" if gpus else "use a machine with a GPU")
+    if not policy.allow_offload:
+        ways.append("allow CPU offload (slow: weights stream from host RAM every step)")
+    ways.append(f"generate fewer frames or a smaller size than {wl.frames} x {wl.width}x{wl.height}")
+    return ways
+
+
+def make_plan(components: list[Component], devices: list[Device], workload: Workload,
+              policy: Policy | None = None) -> Plan:
+    """Place the components: DiT first (it decides sharding), then the text encoder, then the VAE.
+
+    Deterministic for the same input. Raises PlanError naming each device's need and budget, and the ways out.
+    """
+    policy = policy or Policy()
+    roles = [c.role for c in components]
+    if bad := [r for r in roles if r not in ROLES]:
+        raise ValueError(f"unknown component role(s) {bad}; expected one of {ROLES}")
+    if len(set(roles)) != len(roles):
+        raise ValueError(f"each role may appear once, got {roles}")
+    gpus = sorted((d for d in devices if d.kind == "cuda"), key=lambda d: d.index)
+    host = next((d for d in devices if d.kind == "cpu"), None)
+    ledger = _Ledger(devices, policy)
+    by_role = {c.role: c for c in components}
+    placements: list[Placement] = []
+    attempts: list[str] = []
+
+    for role in ("dit", "text_encoder", "vae"):
+        comp = by_role.get(role)
+        if comp is None:
+            continue
+        if role == "dit":
+            placed = _place_dit(comp, gpus, host, workload, policy, ledger, attempts)
+        else:
+            # GPUs with the most room left first, then the host.
+            order = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index)) + ([host] if host else [])
+            placed = _place_simple(comp, order, workload, policy, ledger, attempts)
+        if placed is None:
+            needs = [{"device": d.id, "budget_bytes": ledger.budget[d.id], "committed_bytes": max(ledger.used[d.id].values())}
+                     for d in devices]
+            lines = [f"cannot place the {role.replace('_', ' ')} ({comp.size.path}, {format_bytes(comp.size.total_bytes)}) "
+                     f"for {workload.frames} frames at {workload.width}x{workload.height}, batch {workload.batch}, "
+                     f"CFG {'on' if workload.cfg else 'off'}:"]
+            lines += [f"  - {a}" for a in attempts]
+            lines += [f"  - {n['device']}: budget {format_bytes(n['budget_bytes'])}, already committed "
+                      f"{format_bytes(n['committed_bytes'])}" for n in needs]
+            lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload)))
+            raise PlanError("\n".join(lines), needs=needs)
+        placements.append(placed)
+
+    usage = [DeviceUse(device=d.id, budget_bytes=ledger.budget[d.id], peak_bytes=max(ledger.used[d.id].values()),
+                       by_phase=dict(ledger.used[d.id]), holds=list(ledger.holds[d.id])) for d in devices]
+    reasons = []
+    if len(gpus) and all(not u.holds for u in usage if u.device != (host.id if host else None)):
+        reasons.append("no component uses a GPU")
+    return Plan(placements=placements, usage=usage, devices=[d.to_dict() for d in devices],
+                workload=asdict(workload), policy=asdict(policy), reasons=reasons)

@@ -1,0 +1,85 @@
+"""`python -m mgpu devices | plan` as a user runs them: real processes, real exit codes, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckpt_layouts as L
+from mgpu.partition import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mgpu(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "MGPU_DEVICES"}
+    full_env.update({"PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run([sys.executable, "-m", "mgpu", *args], capture_output=True, text=True, env=full_env,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    return {
+        "dit": L.write_safetensors(d / "wan2.1_t2v_14B_bf16.safetensors", L.wan21_t2v_14b(), sparse=True),
+        "te": L.write_safetensors(d / "umt5_xxl_bf16.safetensors", L.umt5_xxl(), sparse=True),
+        "vae": L.write_safetensors(d / "wan_2.1_vae.safetensors", L.wan_vae(), sparse=True),
+        "notst": L.write_not_safetensors(d / "model.ckpt", "zip"),
+        "dir": d,
+    }
+
+
+def test_devices_lists_simulated_gpus_and_the_host():
+    r = mgpu("devices", "--devices", "2x24GiB:nvlink,cpu=64GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    devices = json.loads(r.stdout)
+    assert [d["id"] for d in devices] == ["cuda:0", "cuda:1", "cpu"]
+    assert devices[0]["total_bytes"] == 24 << 30 and devices[0]["links"] == [[1, "nvlink"]]
+    table = mgpu("devices", "--devices", "2x24GiB").stdout
+    assert "cuda:1" in table and "24 GiB" in table and "simulated" in table
+
+
+def test_devices_env_var_is_honoured():
+    r = mgpu("devices", "--json", env={"MGPU_DEVICES": "cuda:0=80GiB,cpu=8GiB"})
+    assert [d["id"] for d in json.loads(r.stdout)] == ["cuda:0", "cpu"]
+
+
+def test_plan_table_and_json(files):
+    common = ["--dit", str(files["dit"]), "--text-encoder", str(files["te"]), "--vae", str(files["vae"]),
+              "--width", "832", "--height", "480", "--frames", "81", "--devices", "2x24GiB,cpu=64GiB"]
+    r = mgpu("plan", *common)
+    assert r.returncode == 0, r.stderr
+    assert "fsdp on cuda:0, cuda:1" in r.stdout and "headroom" in r.stdout
+    r = mgpu("plan", *common, "--json")
+    p = Plan.from_json(r.stdout)
+    assert p.placement("dit").strategy == "fsdp" and p.workload["width"] == 832
+
+
+def test_plan_that_cannot_fit_exits_3_with_numbers(files):
+    r = mgpu("plan", "--dit", str(files["dit"]), "--width", "1280", "--height", "720", "--devices", "1x24GiB,cpu=64GiB")
+    assert r.returncode == 3
+    assert "no plan fits" in r.stderr and "cuda:0: budget" in r.stderr and "fp8" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("case", ["missing", "not_safetensors", "bad_spec", "bad_size", "bad_dtype"])
+def test_bad_input_exits_2_with_one_line(files, case):
+    args = {
+        "missing": ["--dit", str(files["dir"] / "nope.safetensors")],
+        "not_safetensors": ["--dit", str(files["notst"])],
+        "bad_spec": ["--dit", str(files["dit"]), "--devices", "3x"],
+        "bad_size": ["--dit", str(files["dit"]), "--frames", "0"],
+        "bad_dtype": ["--dit", str(files["dit"]), "--dit-dtype", "fp7"],
+    }[case]
+    r = mgpu("plan", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    expected = {"missing": "nope.safetensors", "not_safetensors": "model.ckpt", "bad_spec": "3x",
+                "bad_size": "frames", "bad_dtype": "fp7"}[case]
+    assert expected in r.stderr

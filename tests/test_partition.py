@@ -1,0 +1,219 @@
+"""The partitioner's decisions for Wan 2.1 T2V 14B on the machines users have, and its invariants.
+
+Checkpoints are sparse files in the real key layouts (header only, no weights on disk), sized by mgpu.sizing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckpt_layouts as L
+from mgpu.devices import parse_spec
+from mgpu.errors import PlanError
+from mgpu.estimates import Workload
+from mgpu.partition import PHASES, Component, Plan, Policy, make_plan
+from mgpu.sizing import size_component
+
+GiB = 1 << 30
+HD_81 = Workload(width=1280, height=720, frames=81, batch=1, cfg=True)
+SD_81 = Workload(width=832, height=480, frames=81, batch=1, cfg=True)
+
+
+@pytest.fixture(scope="module")
+def wan14b(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wan14b")
+    sizes = {
+        "dit": size_component(L.write_safetensors(d / "wan2.1_t2v_14B_bf16.safetensors", L.wan21_t2v_14b(), sparse=True)),
+        "text_encoder": size_component(L.write_safetensors(d / "umt5_xxl_bf16.safetensors", L.umt5_xxl(), sparse=True)),
+        "vae": size_component(L.write_safetensors(d / "wan_2.1_vae.safetensors", L.wan_vae(), sparse=True)),
+    }
+    # The sizes the issue quotes: 28.6 GB DiT, 11.4 GB encoder, 0.25 GB VAE.
+    assert sizes["dit"].total_bytes == pytest.approx(28.6e9, rel=0.01)
+    assert sizes["text_encoder"].total_bytes == pytest.approx(11.4e9, rel=0.01)
+    assert sizes["vae"].total_bytes == pytest.approx(0.25e9, rel=0.05)
+    return sizes
+
+
+def components(sizes, dit_dtype=None):
+    return [Component("dit", sizes["dit"], dit_dtype), Component("text_encoder", sizes["text_encoder"]),
+            Component("vae", sizes["vae"])]
+
+
+def plan(sizes, spec, workload=HD_81, dit_dtype=None, **policy):
+    return make_plan(components(sizes, dit_dtype), parse_spec(spec), workload, Policy(**policy))
+
+
+def strategies(p: Plan) -> dict[str, tuple[str, list[str]]]:
+    return {pl.role: (pl.strategy, pl.devices) for pl in p.placements}
+
+
+def assert_within_budgets(p: Plan) -> None:
+    for u in p.usage:
+        assert u.peak_bytes <= u.budget_bytes, (u.device, u.peak_bytes, u.budget_bytes)
+
+
+# --- the issue's scenarios: Wan2.1 T2V 14B bf16 + UMT5-XXL + Wan VAE, 1280x720, 81 frames, CFG ---------------------
+
+def test_one_80gib_gpu_holds_everything(wan14b):
+    p = plan(wan14b, "1x80GiB,cpu=64GiB")
+    assert strategies(p) == {r: ("single", ["cuda:0"]) for r in ("dit", "text_encoder", "vae")}
+    assert_within_budgets(p)
+    gpu = next(u for u in p.usage if u.device == "cuda:0")
+    # The encoder is freed before sampling: encode and sample phases do not add up.
+    assert gpu.by_phase["encode"] < gpu.by_phase["sample"]
+    assert gpu.by_phase["sample"] < wan14b["dit"].total_bytes + wan14b["text_encoder"].total_bytes + 12 * GiB
+
+
+def test_two_24gib_gpus_bf16_720p_does_not_fit_and_says_why(wan14b):
+    with pytest.raises(PlanError) as info:
+        plan(wan14b, "2x24GiB,cpu=64GiB")
+    msg = str(info.value)
+    assert "sharded over 2 GPUs" in msg and "cuda:0" in msg and "cuda:1" in msg
+    assert "fp8" in msg and "fewer frames" in msg and "offload" in msg
+    assert {n["device"] for n in info.value.needs} == {"cuda:0", "cuda:1", "cpu"}
+
+
+def test_two_24gib_gpus_fp8_shard_the_dit_and_split_cfg(wan14b):
+    p = plan(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    dit = p.placement("dit")
+    assert (dit.strategy, dit.devices, dit.batch_per_rank) == ("fsdp", ["cuda:0", "cuda:1"], 1)
+    assert dit.weight_bytes < 0.55 * wan14b["dit"].total_bytes
+    # The encoder reuses a GPU before sampling; the VAE decodes untiled next to a shard.
+    assert p.placement("text_encoder").devices[0].startswith("cuda")
+    assert p.placement("vae").devices[0].startswith("cuda") and not p.placement("vae").tiled
+    assert_within_budgets(p)
+
+
+def test_two_24gib_gpus_bf16_480p_shards_and_moves_encoder_to_host(wan14b):
+    p = plan(wan14b, "2x24GiB,cpu=64GiB", workload=SD_81)
+    assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1"])
+    assert strategies(p)["text_encoder"] == ("cpu", ["cpu"])
+    assert_within_budgets(p)
+
+
+def test_four_16gib_gpus(wan14b):
+    with pytest.raises(PlanError, match="sharded over 4 GPUs"):
+        plan(wan14b, "4x16GiB:pcie,cpu=64GiB")
+    p = plan(wan14b, "4x16GiB:pcie,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
+    assert p.placement("vae").tiled  # untiled decode does not fit beside a shard
+    assert_within_budgets(p)
+
+
+def test_mixed_24_and_12gib(wan14b):
+    with pytest.raises(PlanError) as info:
+        plan(wan14b, "cuda:0=24GiB,cuda:1=12GiB,cpu=64GiB")
+    assert "smallest budget is 11.5 GiB" in str(info.value)
+    p = plan(wan14b, "cuda:0=24GiB,cuda:1=12GiB,cpu=64GiB", allow_offload=True)
+    assert strategies(p)["dit"] == ("offload", ["cuda:0", "cpu"])
+    assert_within_budgets(p)
+
+
+def test_fsdp_is_bounded_by_the_smallest_gpu(wan14b):
+    # 24+16 GiB has more memory in total than 2x24 GiB needs per rank x 2, but FSDP shards evenly.
+    assert strategies(plan(wan14b, "2x24GiB,cpu=64GiB", workload=SD_81))["dit"][0] == "fsdp"
+    with pytest.raises(PlanError, match="smallest budget is 15.5 GiB"):
+        plan(wan14b, "cuda:0=24GiB,cuda:1=16GiB,cpu=64GiB", workload=SD_81)
+    p = plan(wan14b, "cuda:0=24GiB,cuda:1=22GiB,cpu=64GiB", workload=SD_81)
+    assert any("smallest member bounds" in r for r in p.placement("dit").reasons)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_one_24gib_gpu(wan14b, offload):
+    if not offload:
+        with pytest.raises(PlanError, match="allow CPU offload"):
+            plan(wan14b, "1x24GiB,cpu=64GiB", allow_offload=False)
+        return
+    p = plan(wan14b, "1x24GiB,cpu=64GiB", allow_offload=True)
+    assert strategies(p)["dit"] == ("offload", ["cuda:0", "cpu"])
+    host = next(u for u in p.usage if u.device == "cpu")
+    assert host.peak_bytes >= wan14b["dit"].total_bytes * 0.9
+    assert_within_budgets(p)
+
+
+def test_cpu_only(wan14b):
+    p = plan(wan14b, "cpu=128GiB")
+    assert strategies(p) == {r: ("cpu", ["cpu"]) for r in ("dit", "text_encoder", "vae")}
+    with pytest.raises(PlanError, match="host RAM"):
+        plan(wan14b, "cpu=16GiB")
+
+
+def test_speed_shards_over_all_gpus_even_when_one_would_do(wan14b):
+    assert strategies(plan(wan14b, "4x80GiB:nvlink,cpu=64GiB"))["dit"] == ("single", ["cuda:0"])
+    p = plan(wan14b, "4x80GiB:nvlink,cpu=64GiB", prefer_speed=True)
+    dit = p.placement("dit")
+    assert dit.devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"] and dit.batch_per_rank == 1
+
+
+def test_keeping_the_encoder_costs_memory_during_sampling(wan14b):
+    freed = plan(wan14b, "1x80GiB,cpu=64GiB")
+    kept = plan(wan14b, "1x80GiB,cpu=64GiB", free_text_encoder_before_sampling=False)
+    phase = lambda p: next(u for u in p.usage if u.device == "cuda:0").by_phase["sample"]  # noqa: E731
+    assert phase(kept) - phase(freed) == kept.placement("text_encoder").weight_bytes
+
+
+def test_deterministic_and_json_round_trip(wan14b):
+    a = plan(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    b = plan(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    assert a.to_json() == b.to_json()
+    back = Plan.from_json(a.to_json())
+    assert back == a and back.to_json() == a.to_json()
+    assert "DiT shard" in a.table() and "headroom" in a.table()
+
+
+def test_bad_roles_are_rejected(wan14b):
+    with pytest.raises(ValueError, match="unknown component role"):
+        make_plan([Component("unet", wan14b["dit"])], parse_spec("1x80GiB"), HD_81)
+    with pytest.raises(ValueError, match="once"):
+        make_plan([Component("dit", wan14b["dit"])] * 2, parse_spec("1x80GiB"), HD_81)
+
+
+# --- property: no plan over-commits any device ---------------------------------------------------------------------
+
+def _recomputed_usage(p: Plan) -> dict[str, dict[str, int]]:
+    """Per device and phase, weights resident plus working memory, recomputed from the placements alone."""
+    free_te = p.policy["free_text_encoder_before_sampling"]
+    use: dict[str, dict[str, int]] = {}
+    for pl in p.placements:
+        if pl.role == "dit":
+            resident = PHASES if pl.strategy in ("fsdp", "offload") else ("sample", "decode")
+        elif pl.role == "text_encoder":
+            resident = ("encode",) if free_te else PHASES
+        else:
+            resident = ("decode",)
+        run = {"text_encoder": "encode", "dit": "sample", "vae": "decode"}[pl.role]
+        for dev, b in pl.resident_bytes.items():
+            for ph in resident:
+                use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b
+        for dev, b in pl.working_bytes.items():
+            use.setdefault(dev, dict.fromkeys(PHASES, 0))[run] += b
+    return use
+
+
+gpu_sizes = st.lists(st.sampled_from([8, 12, 16, 20, 24, 32, 40, 48, 80, 96]), min_size=0, max_size=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=gpu_sizes, host=st.sampled_from([16, 32, 64, 256]),
+       width=st.sampled_from([512, 832, 1280]), height=st.sampled_from([480, 720]),
+       frames=st.sampled_from([1, 17, 49, 81, 121]), batch=st.integers(1, 3), cfg=st.booleans(),
+       fp8=st.booleans(), offload=st.booleans(), speed=st.booleans(), free_te=st.booleans())
+def test_no_plan_overcommits_a_device(wan14b, sizes, host, width, height, frames, batch, cfg, fp8, offload, speed,
+                                      free_te):
+    spec = ",".join([f"cuda:{i}={s}GiB" for i, s in enumerate(sizes)] + [f"cpu={host}GiB"])
+    try:
+        p = plan(wan14b, spec, Workload(width, height, frames, batch, cfg), "fp8_e4m3fn" if fp8 else None,
+                 allow_offload=offload, prefer_speed=speed, free_text_encoder_before_sampling=free_te)
+    except PlanError as e:
+        assert e.needs and "ways out" in str(e)
+        return
+    recomputed = _recomputed_usage(p)
+    for u in p.usage:
+        assert u.by_phase == recomputed.get(u.device, dict.fromkeys(PHASES, 0))
+        assert max(u.by_phase.values()) == u.peak_bytes <= u.budget_bytes
+    dit = p.placement("dit")
+    if dit.strategy == "fsdp":
+        assert len(dit.devices) >= 2 and dit.batch_per_rank * len(dit.devices) >= batch * (2 if cfg else 1)
+    assert Plan.from_json(p.to_json()) == p
