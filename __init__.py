@@ -28,3 +28,10 @@ def _register_runtime() -> None:
 _register_runtime()
 
 WEB_DIRECTORY = "./web"
+
+
+async def comfy_entrypoint():
+    """ComfyUI's V3 entry point. ComfyUI is imported here, not at module level, so the pack imports without it."""
+    from .nodes import MgpuExtension
+
+    return MgpuExtension()
