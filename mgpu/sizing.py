@@ -247,33 +247,24 @@ _PREFIXES = [re.compile(p) for p in (
 _BLOCK_KEY = re.compile(r"^(.+?)\.(\d+)(?:\.|$)")
 
 
-def _prefix_bytes(tensors: dict[str, TensorInfo]) -> Counter:
-    found: Counter = Counter()
-    for name, t in tensors.items():
-        for pattern in _PREFIXES:
-            m = pattern.match(name)
-            if m:
-                found[m.group(0)] += t.nbytes
-                break
-    return found
+def _known_prefix(name: str) -> str | None:
+    return next((m.group(0) for pattern in _PREFIXES if (m := pattern.match(name))), None)
 
 
 def _strip(tensors: dict[str, TensorInfo], prefix: str) -> dict[str, TensorInfo]:
     return {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
-def _choose_prefix(tensors: dict[str, TensorInfo], total: int) -> str:
+def _choose_prefix(tensors: dict[str, TensorInfo]) -> str:
     """The component is whatever holds most bytes: a known prefix, the raw keys, or (AuraFlow-style) ``model.``."""
-    found = _prefix_bytes(tensors)
-    if found:
-        prefix, nbytes = max(found.items(), key=lambda kv: (kv[1], len(kv[0])))
-        if 2 * nbytes >= total:
-            return prefix
-    if _detect(tensors) is None:
-        stripped = _strip(tensors, "model.")
-        if 2 * sum(t.nbytes for t in stripped.values()) >= total and _detect(stripped) is not None:
-            return "model."
-    return ""
+    found: Counter = Counter()
+    for name, t in tensors.items():
+        found[_known_prefix(name) or ""] += t.nbytes
+    prefix, _ = max(found.items(), key=lambda kv: (kv[1], len(kv[0])))
+    if prefix or _detect(tensors) is not None:
+        return prefix
+    stripped = _strip(tensors, "model.")
+    return "model." if stripped and _detect(stripped) is not None else ""
 
 
 def _block_groups(tensors: dict[str, TensorInfo]) -> list[BlockGroup]:
@@ -316,6 +307,25 @@ _WAN_ADDONS = {"control_adapter.conv.weight": ("wan2.2", "camera"),
                "casual_audio_encoder.encoder.final_linear.weight": ("wan2.2", "s2v"),
                "audio_proj.audio_proj_glob_1.layer.bias": ("wan2.1", "humo"),
                "face_adapter.fuser_blocks.0.k_norm.weight": ("wan2.2", "animate")}
+
+
+def _detect_diffusers_wan(t: dict[str, TensorInfo]) -> _Detection | None:
+    """Wan DiT in diffusers' layout (WanTransformer3DModel): same sizes, other names; heads assume head_dim 128."""
+    pe, ff = t.get("patch_embedding.weight"), t.get("blocks.0.ffn.net.0.proj.weight")
+    if "condition_embedder.time_embedder.linear_1.weight" not in t or pe is None or len(pe.shape) != 5 or ff is None:
+        return None
+    dim, in_ch, pt, ph, pw = pe.shape
+    out_ch = t["proj_out.weight"].shape[0] // (pt * ph * pw) if "proj_out.weight" in t else in_ch
+    text = t.get("condition_embedder.text_embedder.linear_1.weight")
+    has_img = "condition_embedder.image_embedder.ff.net.0.proj.weight" in t
+    variant = "i2v" if has_img else ("ti2v" if in_ch == 48 else "t2v")
+    size = _WAN_SIZES.get(dim)
+    dims = dict(hidden=dim, ffn=ff.shape[0], heads=max(1, dim // 128), head_dim=min(128, dim),
+                layers=_count(t, "blocks."),
+                in_channels=in_ch, out_channels=out_ch, text_dim=text.shape[1] if text else 4096,
+                text_len=512 + (257 if has_img else 0), patch_t=pt, patch_h=ph, patch_w=pw, z_channels=out_ch,
+                vae_t=4, vae_s=16 if out_ch == 48 else 8)
+    return _Detection("dit", f"wan-{variant}" + (f"-{size}" if size else "") + "-diffusers", dims, [])
 
 
 def _detect_wan(t: dict[str, TensorInfo]) -> _Detection | None:
@@ -434,7 +444,8 @@ def _detect_ltxv_vae(t: dict[str, TensorInfo]) -> _Detection | None:
     return _Detection("vae", "ltxv-vae", dims)
 
 
-_DETECTORS = (_detect_wan, _detect_ltxv, _detect_t5, _detect_gemma, _detect_wan_vae, _detect_ltxv_vae)
+_DETECTORS = (_detect_wan, _detect_diffusers_wan, _detect_ltxv, _detect_t5, _detect_gemma, _detect_wan_vae,
+              _detect_ltxv_vae)
 
 
 def _detect(tensors: dict[str, TensorInfo]) -> _Detection | None:
@@ -455,6 +466,19 @@ def _merge(headers: list[Header]) -> dict[str, TensorInfo]:
     return merged
 
 
+def _other_parts(path: str, everything: dict[str, TensorInfo], prefix: str) -> list[str]:
+    """Name what a combined checkpoint holds besides the sized component, so nothing is silently dropped."""
+    others: Counter = Counter()
+    for k, t in everything.items():
+        if not k.startswith(prefix):
+            others[_known_prefix(k) or k.split(".")[0] + "."] += t.nbytes
+    if not others:
+        return []
+    parts = ", ".join(f"{p!r}: {n} bytes" for p, n in others.most_common())
+    return [f"{path} also holds tensors outside {prefix!r} ({parts}); they are not counted here. "
+            "Size them with size_component(path, prefix=...)."]
+
+
 def size_component(path: str | os.PathLike, prefix: str | None = None) -> ComponentSize:
     """Size, classify and find the repeated blocks of one component, reading headers only.
 
@@ -463,9 +487,8 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
     """
     path = os.fspath(path)
     everything = _merge(read_headers(path))
-    grand_total = sum(t.nbytes for t in everything.values())
     if prefix is None:
-        prefix = _choose_prefix(everything, grand_total)
+        prefix = _choose_prefix(everything)
     tensors = _strip(everything, prefix)
     if not tensors:
         raise SizingError(f"{path} has no tensor whose name starts with {prefix!r}; check the prefix "
@@ -478,15 +501,7 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
         warnings.append(f"{path}: not a recognised model family ({len(tensors)} tensors, e.g. {sample}); "
                         "sized generically, memory estimates will be rough.")
         detection = _Detection("unknown", "unknown", {})
-    warnings += detection.warnings
-    others = Counter()
-    for k, t in everything.items():
-        if not k.startswith(prefix):
-            others[next((m.group(0) for p in _PREFIXES if (m := p.match(k))), k.split(".")[0] + ".")] += t.nbytes
-    if others:
-        parts = ", ".join(f"{p!r}: {n} bytes" for p, n in others.most_common())
-        warnings.append(f"{path} also holds tensors outside {prefix!r} ({parts}); they are not counted here. "
-                        "Size them with size_component(path, prefix=...).")
+    warnings += detection.warnings + _other_parts(path, everything, prefix)
 
     total = sum(t.nbytes for t in tensors.values())
     by_dtype: Counter = Counter()

@@ -193,6 +193,18 @@ def test_combined_checkpoint_sizes_the_biggest_part_and_names_the_rest(sparse_di
         size_component(path, prefix="text_encoders.")
 
 
+def test_full_wan_checkpoint_with_text_encoder_and_vae(sparse_dir):
+    dit = L.wan21_t2v_1_3b(prefix="model.diffusion_model.")
+    te = L.umt5_xxl(prefix="text_encoders.umt5xxl.transformer.")
+    vae = L.with_prefix(L.wan_vae(), "vae.")
+    path = L.write_safetensors(sparse_dir / "wan_all_in_one.safetensors", L.combine(dit, te, vae), sparse=True)
+    biggest = size_component(path)  # the 11.4 GB text encoder outweighs the 2.8 GB DiT
+    assert (biggest.family, biggest.total_bytes) == ("umt5-xxl", L.layout_bytes(te))
+    assert "'model.diffusion_model.'" in biggest.warnings[0] and "'vae.'" in biggest.warnings[0]
+    dit_size = size_component(path, prefix="model.diffusion_model.")
+    assert (dit_size.family, dit_size.total_bytes) == ("wan2.1-t2v-1.3b", L.layout_bytes(dit))
+
+
 def test_unknown_model_is_sized_with_a_warning(tmp_path):
     layout = {f"layers.{i}.{p}.weight": ((24, 24), "F16") for i in range(4) for p in ("fc1", "fc2")}
     layout["readout.weight"] = ((10, 24), "F16")
@@ -358,3 +370,18 @@ def test_full_layouts_match_comfyui_modules():
             "wan_vae": L.wan_vae(), "wan22_vae": L.wan_vae("2.2"), "ltxv_vae": L.ltxv_vae()}
     for name, layout in ours.items():
         assert {k: list(s) for k, (s, _) in layout.items()} == theirs[name], name
+
+
+def test_diffusers_wan_layout_is_detected(tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    from safetensors.torch import save_file
+
+    model = diffusers.WanTransformer3DModel(num_attention_heads=2, attention_head_dim=64, in_channels=16,
+                                            out_channels=16, text_dim=64, freq_dim=32, ffn_dim=256, num_layers=3)
+    path = tmp_path / "wan_diffusers.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    size = size_component(path)
+    assert (size.kind, size.family) == ("dit", "wan-t2v-diffusers")
+    assert {k: size.dims[k] for k in ("hidden", "ffn", "layers", "text_dim", "in_channels")} == {
+        "hidden": 128, "ffn": 256, "layers": 3, "text_dim": 64, "in_channels": 16}
+    assert size.blocks[0].prefix == "blocks" and size.blocks[0].count == 3

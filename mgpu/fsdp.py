@@ -1,0 +1,147 @@
+"""FSDP2 sharding of a diffusion model, torchtitan style: the model stays a plain ``nn.Module`` and the
+functions here apply the parallelism to it in place.
+
+Flow on every rank: ``build_meta`` (no weight memory) -> ``shard`` (each block, then the root, becomes an FSDP2
+unit) -> ``materialize`` (allocates only this rank's shards) -> ``mgpu.slice_load.load_sharded`` (reads only them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import accelerate
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from mgpu.errors import ShardingError
+
+# A block list must hold at least this share of the model's parameters to be sharded automatically: small
+# ModuleLists (norms, per-block projections) are not worth an FSDP unit of their own.
+_MIN_BLOCK_SHARE = 0.10
+_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _block_list_candidates(model: nn.Module) -> list[tuple[str, int]]:
+    """Every ModuleList of two or more same-class children, with its parameter count, in definition order."""
+    return [(name, _numel(mod)) for name, mod in model.named_modules()
+            if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1]
+
+
+def _describe_module_lists(model: nn.Module) -> str:
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return "it has no nn.ModuleList at all"
+    return "its ModuleLists: " + ", ".join(
+        f"{n or '<root>'} ({len(m)} x {'/'.join(sorted({type(c).__name__ for c in m})) or 'empty'}, "
+        f"{_numel(m):,} params)" for n, m in lists[:20])
+
+
+def find_block_lists(model: nn.Module, names: Sequence[str] | None = None) -> list[str]:
+    """Names of the repeated block lists to shard one block per FSDP unit.
+
+    Auto-detection keeps the outermost same-class ModuleLists that hold at least 10% of the parameters (so Flux-style
+    models with two block stacks get both), in definition order: usually the execution order, which forward
+    prefetching follows. ``names`` overrides it and is only validated.
+    """
+    modules = dict(model.named_modules())
+    if names is not None:
+        bad = [n for n in names if not isinstance(modules.get(n), (nn.ModuleList, nn.Sequential))]
+        if bad:
+            raise ShardingError(
+                f"{type(model).__name__} has no block list named {bad}: a block name must be an nn.ModuleList or "
+                f"nn.Sequential attribute path; {_describe_module_lists(model)}.")
+        return list(names)
+    total = _numel(model)
+    candidates = _block_list_candidates(model)
+    chosen: list[str] = []
+    for name, count in sorted(candidates, key=lambda c: -c[1]):   # biggest first, so outer lists win over nested
+        nested = any(name.startswith(c + ".") or c.startswith(name + ".") for c in chosen)
+        if count > 0 and count >= _MIN_BLOCK_SHARE * total and not nested:
+            chosen.append(name)
+    if not chosen:
+        raise ShardingError(
+            f"Cannot find the repeated transformer blocks of {type(model).__name__}: no nn.ModuleList of same-class "
+            f"blocks holds {_MIN_BLOCK_SHARE:.0%} of its {total:,} parameters ({_describe_module_lists(model)}). "
+            f"Pass the block list names explicitly, e.g. blocks=['blocks'].")
+    return [name for name, _ in candidates if name in chosen]
+
+
+def build_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    """Build the model with parameters on meta (no memory, no init work) but buffers real.
+
+    Buffers stay real because non-persistent ones (rotary tables) are not in any checkpoint: the constructor is the
+    only place they are computed, and ``materialize`` puts them back after ``to_empty``.
+    """
+    with accelerate.init_empty_weights(include_buffers=False):
+        return factory()
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate the (sharded) parameters on ``device`` and restore the real buffers that ``to_empty`` wipes.
+
+    Without the restore the rotary tables of e.g. diffusers' Wan are uninitialised memory and the output is NaN.
+    Parameters are left uninitialised: load them next (``mgpu.slice_load.load_sharded``).
+    """
+    saved = [(mod, key, buf) for mod in model.modules() for key, buf in mod._buffers.items() if buf is not None]
+    lost = [f"{type(mod).__name__}.{key}" for mod, key, buf in saved
+            if buf.is_meta and key in mod._non_persistent_buffers_set]
+    if lost:
+        raise ShardingError(
+            f"{type(model).__name__} has non-persistent buffers on meta ({lost[:10]}); they are in no checkpoint "
+            f"and cannot be recovered. Build the model with mgpu.fsdp.build_meta, which keeps buffers real.")
+    model.to_empty(device=device)
+    for mod, key, buf in saved:
+        if not buf.is_meta:
+            mod._buffers[key] = buf.to(device)
+    return model
+
+
+def compute_dtype_for(device: torch.device | str, requested: torch.dtype | None,
+                      capability: tuple[int, int] | None = None) -> torch.dtype | None:
+    """The dtype to all-gather and compute in: ``requested`` unless the device cannot run it.
+
+    bf16 needs compute capability 8.0 (Ampere) on CUDA, older GPUs get fp16. ``None`` keeps the stored dtype.
+    """
+    if requested in _FP8:
+        raise ShardingError(f"{requested} is a storage dtype, not a compute dtype: ask for torch.bfloat16 or "
+                            f"torch.float16 compute on {device}.")
+    device = torch.device(device)
+    if requested is torch.bfloat16 and device.type == "cuda":
+        major, minor = capability or torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return torch.float16
+    return requested
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = None,
+          param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+          prefetch: int = 1) -> nn.Module:
+    """Make every block, then the root (embeddings, head), an FSDP2 unit on ``mesh``; returns ``model`` itself.
+
+    One unit per block bounds the all-gathered working set to about ``1 + prefetch`` blocks; prefetching the next
+    block(s) in forward overlaps their all-gather with the current block's compute. ``reshard_after_forward=False``
+    keeps the gathered weights between forwards (faster, full-model memory). ``param_dtype`` is the all-gather and
+    compute dtype (see ``compute_dtype_for``). Forward inputs are not cast: the sharded model computes exactly like
+    the single-device model with its weights in ``param_dtype`` (casting would round e.g. timesteps to bf16).
+    The parameters are frozen: this is inference, and FSDP lets a unit of frozen parameters mix dtypes (ComfyUI
+    keeps Wan's patch embedding in fp32 beside bf16 weights).
+    """
+    model.requires_grad_(False)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, cast_forward_inputs=False)
+    units: list[FSDPModule] = []
+    for name in find_block_lists(model, blocks):
+        for block in model.get_submodule(name):
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            units.append(block)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if prefetch > 0:
+        chain = [model, *units]
+        for i, unit in enumerate(chain[:-1]):
+            unit.set_modules_to_forward_prefetch(chain[i + 1:i + 1 + prefetch])
+    return model
