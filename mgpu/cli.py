@@ -1,4 +1,4 @@
-"""`python -m mgpu devices | plan`: the runtime from a shell, without ComfyUI.
+"""`python -m mgpu devices | plan | demo`: the runtime from a shell, without ComfyUI.
 
 Bad input exits with code 2 and one line on stderr; a plan that cannot fit exits with code 3 and the numbers.
 """
@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-text-encoder", action="store_true",
                    help="keep the text encoder loaded while sampling (default: freed before sampling)")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+
+    p = sub.add_parser("demo", help="shard a small random Wan DiT over rank processes and compare with one device")
+    from mgpu.demo import add_arguments
+
+    add_arguments(p)
     return parser
 
 
@@ -103,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "devices":
             return _cmd_devices(args)
-        return _cmd_plan(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
+        from mgpu.demo import run
+
+        return run(args)
     except PlanError as e:
         print(f"error: no plan fits: {e}", file=sys.stderr)
         return 3

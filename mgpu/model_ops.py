@@ -1,0 +1,131 @@
+"""Rank-side ops for a sharded model: load it from a checkpoint slice by slice, run a forward on this rank's share
+of the batch, report what it holds. ``mgpu.sharded`` calls them by path (``"mgpu.model_ops:load"``).
+
+Forward inputs arrive as *references* so the host sends each tensor once: ``{"t": name}`` is a tensor of this call,
+``{"c": digest}`` a tensor cached on the ranks by content hash (text context: same for every step), ``{"v": value}``
+plain data. The batch split is done here, not on the host: every rank reads the whole batch from shared memory and
+computes rows ``[lo, hi)``; a rank with no rows still runs a forward on one row and drops it, because FSDP's
+all-gathers need every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from mgpu.fsdp import build_meta, compute_dtype_for, materialize, shard
+from mgpu.rank import RankContext, Tensors
+from mgpu.slice_load import load_sharded
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+_CACHE = "__tensor_cache__"
+
+
+def batch_rows(batch: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of a batch of ``batch`` that ``rank`` computes: contiguous, the first ranks take the extra."""
+    base, extra = divmod(batch, ranks)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def _import(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _local_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank actually stores (its DTensor shards, or whole unsharded tensors)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _gathered_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> int:
+    """Bytes one forward all-gathers in total (every sharded parameter once, in the compute dtype).
+
+    Analytic: FSDP2 gathers each unit's padded flat parameters once per forward when it reshards after forward.
+    """
+    total = 0
+    for p in model.parameters():
+        itemsize = torch.empty((), dtype=param_dtype or p.dtype).element_size()
+        total += p.numel() * itemsize
+    return total
+
+
+def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Build on meta, shard, allocate this rank's shards, read them from the checkpoint."""
+    handle = payload["handle"]
+    ctx.objects.pop(handle, None)
+    factory = partial(_import(payload["factory"]), **payload.get("factory_kwargs", {}))
+    param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
+    model = build_meta(factory)
+    shard(model, ctx.mesh, blocks=payload.get("blocks"), param_dtype=param_dtype,
+          reshard_after_forward=payload.get("reshard_after_forward", True), prefetch=payload.get("prefetch", 1))
+    materialize(model, ctx.torch_device)
+    report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
+    model.eval()
+    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype}
+    return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model),
+            "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype)}
+
+
+def _resolve(ref: dict, tensors: Tensors, cache: dict[str, torch.Tensor], device: torch.device) -> Any:
+    if "t" in ref:
+        return tensors[ref["t"]].to(device, non_blocking=True)
+    if "c" in ref:
+        return cache[ref["c"]]
+    return ref["v"]
+
+
+def _rows(value: Any, batch: int, lo: int, hi: int, batched: bool) -> Any:
+    if batched and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value[lo:hi]
+    return value
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    """Diffusion models return a tensor, a tuple whose first item is the prediction, or an object with ``sample``."""
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return getattr(out, "sample", out)
+
+
+def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
+    entry = ctx.objects[payload["handle"]]
+    cache: dict[str, torch.Tensor] = ctx.objects.setdefault(_CACHE, {})
+    for digest in payload.get("cache_drop", ()):
+        cache.pop(digest, None)
+    for digest, name in payload.get("cache_put", {}).items():
+        cache[digest] = tensors[name].to(ctx.torch_device, copy=True)  # the shm view is overwritten next call
+
+    batch = payload["batch"]
+    if payload.get("split", True):
+        lo, hi = batch_rows(batch, ctx.world_size, ctx.rank)
+        empty = lo == hi
+    else:  # every rank computes everything, rank 0 answers: FSDP alone, no work split
+        lo, hi, empty = 0, batch, ctx.rank != 0
+    if lo == hi:
+        lo, hi = 0, 1  # a forward on one row keeps this rank in the all-gathers; its output is dropped
+    batched = set(payload.get("batched", ()))
+    args = [_rows(_resolve(r, tensors, cache, ctx.torch_device), batch, lo, hi, f"arg{i}" in batched)
+            for i, r in enumerate(payload["args"])]
+    kwargs = {k: _rows(_resolve(r, tensors, cache, ctx.torch_device), batch, lo, hi, k in batched)
+              for k, r in payload["kwargs"].items()}
+    with torch.inference_mode():
+        out = _output_tensor(entry["model"](*args, **kwargs))
+    if empty:
+        return {"rows": [0, 0]}, {}
+    return {"rows": [lo, hi]}, {"out": out.to("cpu") if ctx.torch_device.type != "cpu" else out}
+
+
+def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    entry = ctx.objects[payload["handle"]]
+    return {"local_param_bytes": _local_bytes(entry["model"]),
+            "gathered_bytes_per_forward": _gathered_bytes(entry["model"], entry["param_dtype"]),
+            "cached_tensors": len(ctx.objects.get(_CACHE, {})), "world_size": ctx.world_size}

@@ -1,0 +1,512 @@
+"""Host side of the rank pool: one persistent worker process per device, driven by plain-data calls.
+
+Ranks are clean interpreters (``python -m mgpu.rank``) with the folder that contains ``mgpu`` on PYTHONPATH, not
+``torch.multiprocessing`` spawn children: inside ComfyUI a spawn child re-runs ComfyUI's ``main.py`` as
+``__mp_main__``, and ComfyUI imports a pack under its file path as module name, so nothing defined in the pack can be
+unpickled in the child (both measured with ComfyUI 0.3.64). A clean interpreter works whatever folder name the pack
+was cloned into, and needs only plain data from us.
+
+The host never joins a collective. It talks to each rank over its own authenticated channel (an AF_UNIX socket in a
+private directory; loopback TCP where there is no AF_UNIX) and moves tensors through ``mgpu.shm``. Every wait polls
+the rank processes, so a dead rank is reported as soon as it dies rather than at the timeout. Any failure that may
+leave ranks inconsistent (a death, a timeout, some ranks failing while others did not) tears the whole pool down,
+since the survivors are likely stuck in a collective; the next call starts a fresh pool and bumps ``generation`` so
+callers know to reload their models. When every rank raised, nothing is stuck and the pool is kept.
+
+Protocol (pickled dicts, ``mgpu.rank.dumps``): rank -> host ``hello {rank, pid}`` on connecting, then ``ready`` or
+``error`` once the process group is up; host -> rank ``call {op, payload, inputs: Packet | None, released: {rank:
+[segment]}, dropped: [segment]}`` answered by ``ok {payload, outputs: Packet | None, dropped}`` or ``error {error,
+traceback, dropped}``; ``shutdown`` ends a rank. One call is in flight at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from pathlib import Path
+from queue import SimpleQueue
+
+import psutil
+import torch
+
+from . import shm
+from .errors import DeviceSpecError, RankFailure
+from .rank import dumps, recv
+
+log = logging.getLogger(__name__)
+POLL_S = 0.1
+SHUTDOWN_GRACE_S = 5.0     # a rank asked to stop gets this long before SIGTERM
+KILL_GRACE_S = 2.0         # then this long before SIGKILL
+STACK_DUMP_WAIT_S = 0.3    # after asking a timed-out rank for its stacks
+LOG_TAIL_BYTES = 4000
+
+
+@dataclass
+class PoolConfig:
+    """How to start the ranks. ``master_port`` 0 picks a free port; the rendezvous stays on ``master_addr``."""
+    devices: list[str]               # one rank per entry: ["cpu", "cpu"] or ["cuda:0", "cuda:1"]
+    backend: str | None = None       # None: "nccl" when all ranks are cuda, else "gloo"
+    master_addr: str = "127.0.0.1"   # rendezvous; loopback keeps it off the network
+    master_port: int = 0             # 0: pick a free port
+    call_timeout_s: float = 300.0
+    start_timeout_s: float = 120.0
+    extra_sys_path: list[str] = field(default_factory=list)   # prepended on the ranks (e.g. a ComfyUI checkout)
+    env: dict[str, str] = field(default_factory=dict)
+    imports: list[str] = field(default_factory=list)          # modules each rank imports at start (their register_op)
+    error_grace_s: float = 5.0       # after one rank raises, how long the others get to finish before teardown
+
+
+@dataclass
+class RankReply:
+    """One rank's answer. ``tensors`` are zero-copy views of shared memory, owned by the caller: the rank reuses the
+    segment only after every one of them (and every view of them) is gone."""
+    rank: int
+    payload: dict
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    device: str
+    proc: subprocess.Popen
+    log_path: str
+    conn: Connection | None = None
+    mapper: shm.Mapper = field(default_factory=shm.Mapper)     # its result segments, leased to our caller
+    to_release: list[str] = field(default_factory=list)       # returned leases not yet announced to the rank
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked a rank exits, not the process. Forking from one long-lived
+# daemon thread keeps ranks alive when the pool is started from a short-lived caller thread.
+_spawn_queue: SimpleQueue = SimpleQueue()
+_spawn_lock = threading.Lock()
+_spawn_thread: threading.Thread | None = None
+
+
+def _spawn_loop() -> None:
+    while True:
+        future, args, kwargs = _spawn_queue.get()
+        try:
+            future.set_result(subprocess.Popen(*args, **kwargs))
+        except BaseException as exc:   # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+
+def _popen(*args, **kwargs) -> subprocess.Popen:
+    global _spawn_thread
+    with _spawn_lock:
+        if _spawn_thread is None:
+            _spawn_thread = threading.Thread(target=_spawn_loop, name="mgpu-spawn", daemon=True)
+            _spawn_thread.start()
+    future: Future = Future()
+    _spawn_queue.put((future, args, kwargs))
+    return future.result()
+
+
+def _validate(config: PoolConfig) -> tuple[str, str]:
+    """Check the devices before starting anything; returns (backend, mesh device type)."""
+    if not config.devices:
+        raise DeviceSpecError("PoolConfig.devices is empty: give one entry per rank, e.g. ['cuda:0', 'cuda:1'] or "
+                              "['cpu', 'cpu']")
+    cuda = []
+    for spec in config.devices:
+        try:
+            device = torch.device(spec)
+        except RuntimeError as exc:
+            raise DeviceSpecError(f"rank device {spec!r} is not a device: {exc}") from exc
+        if device.type == "cuda" and device.index is None:
+            raise DeviceSpecError(f"rank device {spec!r}: name the GPU, e.g. 'cuda:0'")
+        if device.type not in ("cuda", "cpu"):
+            raise DeviceSpecError(f"rank device {spec!r}: only 'cuda:N' and 'cpu' ranks are supported")
+        if device.type == "cuda":
+            cuda.append(device.index)
+    if cuda:
+        count = torch.cuda.device_count()
+        missing = sorted({i for i in cuda if i >= count})
+        if missing:
+            raise DeviceSpecError(f"rank devices {', '.join(f'cuda:{i}' for i in missing)} do not exist: this machine "
+                                  f"has {count} CUDA device(s); use fewer ranks or other devices")
+        if len(set(cuda)) != len(cuda):
+            raise DeviceSpecError(f"two ranks on one GPU in {config.devices}: NCCL needs one GPU per rank")
+    all_cuda = len(cuda) == len(config.devices)
+    backend = config.backend or ("nccl" if all_cuda else "gloo")
+    if backend == "nccl" and not all_cuda:
+        raise DeviceSpecError(f"backend 'nccl' needs every rank on a GPU, got {config.devices}; use backend 'gloo'")
+    return backend, "cuda" if all_cuda else "cpu"
+
+
+def _rendezvous_socket(addr: str, port: int) -> socket.socket:
+    """Bind the rendezvous store's listening socket here and hand it to rank 0: a busy port fails now, fast and
+    named, a free port (port 0) cannot be taken by someone else before rank 0 listens, and it stays on ``addr``."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the TCPStore does: TIME_WAIT is not busy
+    try:
+        sock.bind((addr, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise RankFailure(f"cannot use rendezvous address {addr}:{port}: {exc.strerror}. Set "
+                          "PoolConfig.master_port to 0 to pick a free port, or choose another port") from exc
+    return sock
+
+
+def _interface_of(addr: str) -> str | None:
+    """The network interface that owns ``addr``: gloo and NCCL open their own listening sockets on whatever
+    interface the hostname resolves to, so pin them to the rendezvous interface (loopback by default)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None
+
+
+def _signal_name(returncode: int | None) -> str | None:
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+class RankPool:
+    """N rank processes, started lazily and rebuilt after failures. Thread-safe; one call at a time."""
+
+    def __init__(self, config: PoolConfig):
+        self.config = config
+        self._generation = 0
+        self._ranks: list[_Rank] = []
+        self._lock = threading.RLock()
+        self._dirs: list[str] = []
+        self._listener: socket.socket | None = None
+        self._inputs: shm.SegmentPool | None = None
+        self._dropped_inputs: list[str] = []      # input segments unlinked since the last call: ranks must unmap
+        _live_pools.add(self)
+
+    @property
+    def generation(self) -> int:
+        """Bumped on every (re)start: what a caller loaded on the ranks in an older generation is gone. Call
+        ``start()`` and compare before a call that relies on loaded models."""
+        return self._generation
+
+    @property
+    def world_size(self) -> int:
+        return len(self.config.devices)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._ranks) and all(r.proc.poll() is None for r in self._ranks)
+
+    def start(self) -> None:
+        """Start the ranks if they are not running (idempotent); raises RankFailure if they do not come up.
+        A pool that lost a rank while idle (e.g. to the OOM killer) is logged and rebuilt."""
+        with self._lock:
+            if self._ranks and not self.alive:
+                dead = next(r.rank for r in self._ranks if r.proc.poll() is not None)
+                log.warning("%s", self._death_failure(None, dead))
+                self._teardown(graceful=False)
+            if self._ranks:
+                return
+            backend, mesh_device_type = _validate(self.config)
+            store = _rendezvous_socket(self.config.master_addr, self.config.master_port)
+            try:
+                self._launch(backend, mesh_device_type, store)
+                self._gather("start-up", self.config.start_timeout_s)
+            except BaseException:
+                self._teardown(graceful=False)
+                raise
+            finally:
+                store.close()             # rank 0 has its own copy
+            self._generation += 1
+
+    def call(self, op: str, payload: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
+             timeout: float | None = None) -> list[RankReply]:
+        """Run ``op`` on every rank; one reply per rank in rank order. Raises RankFailure naming the rank(s)."""
+        with self._lock:
+            self.start()
+            packet = self._inputs.pack(tensors)
+            try:
+                for r in self._ranks:
+                    r.to_release += r.mapper.returned()
+                message = dumps({"kind": "call", "op": op, "payload": payload or {}, "inputs": packet,
+                                 "released": {r.rank: r.to_release for r in self._ranks},
+                                 "dropped": self._dropped_inputs})
+                for r in self._ranks:
+                    r.to_release = []
+                self._dropped_inputs = []
+                replies = self._send_and_gather(op, message, self.config.call_timeout_s if timeout is None else timeout)
+            finally:
+                if packet is not None and self._inputs is not None:   # the ranks only borrowed it
+                    self._dropped_inputs += self._inputs.release([packet.path])
+            return [RankReply(r.rank, replies[r.rank]["payload"],
+                              r.mapper.lease(replies[r.rank]["outputs"]) if replies[r.rank]["outputs"] else {})
+                    for r in self._ranks]
+
+    def close(self) -> None:
+        """Stop the ranks and remove every file of the pool. Idempotent; a later call() starts a new pool."""
+        with self._lock:
+            self._teardown(graceful=True)
+
+    # --- internals -------------------------------------------------------------------------------------------
+
+    def _launch(self, backend: str, mesh_device_type: str, store: socket.socket) -> None:
+        cfg = self.config
+        for parent in (shm.shm_parent(), tempfile.gettempdir()):
+            shm.sweep_stale(parent)
+        work_dir = shm.private_dir(tempfile.gettempdir())            # logs, socket, spill segments
+        self._dirs = [work_dir]
+        segment_dirs = [work_dir]
+        if shm.shm_parent() != tempfile.gettempdir():
+            segment_dirs.insert(0, shm.private_dir(shm.shm_parent()))
+            self._dirs.append(segment_dirs[0])
+        self._inputs = shm.SegmentPool(segment_dirs)
+        channel = self._listen(work_dir)
+        authkey = secrets.token_bytes(32)
+        env = self._rank_env(backend)
+        port = store.getsockname()[1]
+        if os.name != "posix":
+            store.close()             # no fd passing: rank 0 binds the (checked) port itself
+        for rank, device in enumerate(cfg.devices):
+            log_path = os.path.join(work_dir, f"rank{rank}.log")
+            argv = [sys.executable, "-m", "mgpu.rank", "--rank", str(rank), "--world-size", str(self.world_size),
+                    "--device", device, "--backend", backend, "--mesh-device-type", mesh_device_type,
+                    "--master-addr", cfg.master_addr, "--master-port", str(port),
+                    "--channel", channel, "--host-pid", str(os.getpid()),
+                    "--timeout", str(max(cfg.start_timeout_s, cfg.call_timeout_s)),
+                    "--segment-dirs", *segment_dirs, "--imports", *cfg.imports]
+            pass_fds = (store.fileno(),) if rank == 0 and os.name == "posix" else ()
+            if pass_fds:
+                argv += ["--store-fd", str(store.fileno())]
+            with open(log_path, "wb") as log:
+                proc = _popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              cwd=work_dir,    # cwd lands on sys.path[0]: keep the caller's folder from shadowing
+                              pass_fds=pass_fds)
+            self._ranks.append(_Rank(rank, device, proc, log_path))
+            proc.stdin.write(authkey.hex().encode() + b"\n")
+            proc.stdin.close()
+        self._accept(authkey, time.monotonic() + cfg.start_timeout_s)
+
+    def _listen(self, work_dir: str) -> str:
+        path = os.path.join(work_dir, "channel")
+        if hasattr(socket, "AF_UNIX") and len(path) < 100:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            address = f"unix:{path}"
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            address = f"tcp:127.0.0.1:{sock.getsockname()[1]}"
+        sock.listen(self.world_size)
+        self._listener = sock
+        return address
+
+    def _rank_env(self, backend: str) -> dict[str, str]:
+        cfg = self.config
+        package_parent = str(Path(__file__).resolve().parent.parent)   # the folder that contains mgpu/
+        env = {**os.environ, **cfg.env}
+        # extra paths first: the pack root beside mgpu/ holds a `nodes` package that would shadow ComfyUI's nodes.py
+        paths = [*cfg.extra_sys_path, package_parent, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env["PYTHONUNBUFFERED"] = "1"          # the log tail we report must be current when a rank dies
+        interface = _interface_of(cfg.master_addr if ":" in cfg.master_addr else socket.gethostbyname(cfg.master_addr))
+        if interface:
+            env.setdefault("GLOO_SOCKET_IFNAME", interface)
+            if backend == "nccl":
+                env.setdefault("NCCL_SOCKET_IFNAME", interface)
+        return env
+
+    def _accept(self, authkey: bytes, deadline: float) -> None:
+        """Take one authenticated connection per rank, noticing ranks that die before connecting."""
+        pending = {r.rank for r in self._ranks}
+        while pending:
+            self._raise_if_dead("start-up", pending)
+            if time.monotonic() > deadline:
+                raise self._timeout_failure("start-up", sorted(pending), self.config.start_timeout_s)
+            self._listener.settimeout(POLL_S)
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+            hello = recv(conn)
+            self._ranks[hello["rank"]].conn = conn
+            pending.discard(hello["rank"])
+
+    def _raise_if_dead(self, op: str, ranks: set[int]) -> None:
+        for rank in sorted(ranks):
+            if self._ranks[rank].proc.poll() is not None:
+                raise self._death_failure(op, rank)
+
+    def _send_and_gather(self, op: str, message: bytes, timeout_s: float) -> dict[int, dict]:
+        """Anything unexpected here (an interrupt, a garbled message) leaves the ranks out of step with us: their
+        next reply would answer the wrong call. So it tears the pool down like a failure does."""
+        try:
+            for r in self._ranks:
+                try:
+                    r.conn.send_bytes(message)
+                except OSError:
+                    pass              # a dead rank: _gather reports it with its exit status
+            return self._gather(op, timeout_s)
+        except RankFailure:
+            raise
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+
+    def _gather(self, op: str, timeout_s: float) -> dict[int, dict]:
+        """One message per rank. Stops early on a death, or ``error_grace_s`` after the first error."""
+        by_conn = {r.conn: r.rank for r in self._ranks}
+        replies: dict[int, dict] = {}
+        errors: list[int] = []           # in arrival order: the first is most likely the cause
+        dead: list[int] = []
+        stop = time.monotonic() + timeout_s
+        while len(replies) < self.world_size and not dead and time.monotonic() < stop:
+            waiting = [r for r in self._ranks if r.rank not in replies]
+            for conn in wait([r.conn for r in waiting], timeout=max(0.0, min(POLL_S, stop - time.monotonic()))):
+                rank = by_conn[conn]
+                try:
+                    replies[rank] = recv(conn)
+                except (EOFError, OSError):
+                    dead.append(rank)
+                    continue
+                self._ranks[rank].mapper.forget(replies[rank].get("dropped", ()))
+                if replies[rank]["kind"] == "error":
+                    errors.append(rank)
+                    stop = min(stop, time.monotonic() + self.config.error_grace_s)
+            dead += [r.rank for r in waiting if r.rank not in replies and r.rank not in dead
+                     and r.proc.poll() is not None]
+        missing = [r.rank for r in self._ranks if r.rank not in replies and r.rank not in dead]
+        if not (errors or dead or missing):
+            return replies
+        if dead:
+            failure = self._death_failure(op, dead[0])
+        elif errors:
+            failure = self._error_failure(op, errors, replies, missing)
+        else:
+            failure = self._timeout_failure(op, missing, timeout_s)
+        if dead or missing or len(errors) < self.world_size:
+            self._teardown(graceful=False)
+        raise failure
+
+    def _death_failure(self, op: str | None, rank: int) -> RankFailure:
+        """``op`` None: it died between calls."""
+        r = self._ranks[rank]
+        try:
+            returncode = r.proc.wait(timeout=KILL_GRACE_S)   # it closed its channel: it is exiting
+        except subprocess.TimeoutExpired:
+            returncode = None
+        sig = _signal_name(returncode)
+        if sig == "SIGKILL":
+            how = "was killed by SIGKILL (the kernel's OOM killer, or another process)"
+        elif sig:
+            how = f"was killed by {sig}"
+        elif returncode is None:
+            how = "closed its channel"
+        else:
+            how = f"exited with code {returncode}"
+        tail = _tail(r.log_path)
+        when = f"during {op!r}" if op else "while idle"
+        return RankFailure(f"rank {rank} ({r.device}, pid {r.proc.pid}) {how} {when}; the pool was shut down and "
+                           f"restarts on next use (reload what it held).\n--- end of rank {rank} log ---\n{tail}",
+                           rank=rank, device=r.device, exitcode=returncode, signal=sig, traceback=tail)
+
+    def _error_failure(self, op: str, errors: list[int], replies: dict[int, dict], missing: list[int]) -> RankFailure:
+        first = self._ranks[errors[0]]
+        reply = replies[first.rank]
+        others = [f"rank {rank} ({self._ranks[rank].device}): {replies[rank]['error']}" for rank in errors[1:]]
+        text = f"rank {first.rank} ({first.device}) raised {reply['error']} in {op!r}"
+        if others:
+            text += "; also " + "; ".join(others)
+        if missing:
+            text += (f". Ranks {missing} were still busy {self.config.error_grace_s:g}s later (likely stuck in a "
+                     "collective): the pool was shut down and restarts on next use")
+        elif len(errors) < self.world_size:
+            text += ". Other ranks succeeded, so the ranks may disagree: the pool was shut down and restarts on next use"
+        return RankFailure(f"{text}\n--- rank {first.rank} traceback ---\n{reply['traceback']}",
+                           rank=first.rank, device=first.device, traceback=reply["traceback"])
+
+    def _timeout_failure(self, op: str, missing: list[int], seconds: float) -> RankFailure:
+        """Ask the silent ranks for their stacks (faulthandler on SIGUSR1) so the error says where they hang."""
+        if hasattr(signal, "SIGUSR1"):
+            for rank in missing:
+                if self._ranks[rank].proc.poll() is None:
+                    self._ranks[rank].proc.send_signal(signal.SIGUSR1)
+            time.sleep(STACK_DUMP_WAIT_S)
+        names = ", ".join(f"{rank} ({self._ranks[rank].device})" for rank in missing)
+        logs = "".join(f"\n--- end of rank {rank} log ---\n{_tail(self._ranks[rank].log_path)}" for rank in missing)
+        return RankFailure(f"ranks {names} did not answer {op!r} within {seconds:g}s; the pool was shut down and "
+                           f"restarts on next use.{logs}", rank=missing[0], device=self._ranks[missing[0]].device)
+
+    def _teardown(self, graceful: bool) -> None:
+        """Stop every rank (ask, then SIGTERM, then SIGKILL) and delete the pool's files. Safe to repeat."""
+        ranks, self._ranks = self._ranks, []
+        if graceful:
+            for r in ranks:
+                if r.conn is not None and r.proc.poll() is None:
+                    try:
+                        r.conn.send_bytes(dumps({"kind": "shutdown"}))
+                    except OSError:
+                        pass
+            _wait_exit(ranks, SHUTDOWN_GRACE_S)
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.terminate()
+        _wait_exit(ranks, KILL_GRACE_S)
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+            r.proc.wait()
+            if r.conn is not None:
+                r.conn.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._inputs is not None:
+            self._inputs.close()
+            self._inputs = None
+        self._dropped_inputs = []
+        for directory in self._dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._dirs = []
+
+
+def _wait_exit(ranks: list[_Rank], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(r.proc.poll() is None for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+_live_pools: weakref.WeakSet[RankPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Ranks must not outlive the host; PDEATHSIG and the rank watchdog cover a host that dies without atexit."""
+    for pool in list(_live_pools):
+        pool.close()

@@ -1,0 +1,260 @@
+"""Rank worker: one process per device, started by ``mgpu.pool`` as ``python -m mgpu.rank``.
+
+It joins the process group, then serves calls from the host over an authenticated channel until told to stop or the
+host goes away. Ops are plain functions ``fn(ctx, payload, tensors) -> (payload, tensors)``, either registered here
+with ``@register_op(name)`` (the defining module must be imported on the rank: list it in ``PoolConfig.imports``) or
+named as ``"package.module:function"`` and imported on first use. An op that raises is reported with its traceback
+and the rank keeps serving; whether the pool survives is the host's decision.
+
+The wire format (``dumps``/``recv``) lives here because both sides speak it: pickled plain-data messages, which is
+safe only because the channel is authenticated with a per-pool random key; tensors are refused in messages and go
+through ``mgpu.shm`` instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    # `-m mgpu.rank` runs this file as __main__; alias it so `from mgpu.rank import register_op` in op modules
+    # registers into the registry this process actually dispatches from, not a second copy of the module.
+    sys.modules.setdefault("mgpu.rank", sys.modules[__name__])
+
+import argparse
+import ctypes
+import faulthandler
+import gc
+import importlib
+import io
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import psutil
+import torch
+
+from .shm import Mapper, SegmentPool
+
+Tensors = dict[str, torch.Tensor]
+OpResult = tuple[dict, Tensors] | dict | None
+OpFn = Callable[["RankContext", dict, Tensors], OpResult]
+
+_OPS: dict[str, OpFn] = {}
+PARENT_POLL_S = 0.25
+
+
+@dataclass
+class RankContext:
+    """What an op sees of its rank. ``objects`` holds models and cached tensors by handle across calls."""
+    rank: int
+    world_size: int
+    device: str                   # as configured: "cuda:1", "cpu"
+    torch_device: torch.device
+    backend: str                  # "gloo" | "nccl"
+    group: Any                    # the default torch.distributed ProcessGroup
+    mesh: Any                     # 1-D DeviceMesh over all ranks
+    objects: dict[str, Any] = field(default_factory=dict)
+
+
+def register_op(name: str) -> Callable[[OpFn], OpFn]:
+    """Register ``fn(ctx, payload, tensors)`` under ``name``. Input tensors are views of shared memory that the
+    host overwrites on its next call: clone (or move to the device) anything kept in ``ctx.objects``."""
+    def deco(fn: OpFn) -> OpFn:
+        _OPS[name] = fn
+        return fn
+    return deco
+
+
+def resolve_op(name: str) -> OpFn:
+    """A registered op, else ``"module:function"`` imported (from the rank's sys.path, which has extra_sys_path)."""
+    if name in _OPS:
+        return _OPS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        fn = getattr(importlib.import_module(module), attr, None)
+        if not callable(fn):
+            raise LookupError(f"op {name!r}: module {module!r} has no function {attr!r}")
+        return fn
+    raise LookupError(f"unknown op {name!r}; registered: {sorted(_OPS)}. Ops registered in another module need that "
+                      "module in PoolConfig.imports, or call them as 'package.module:function'")
+
+
+@register_op("ping")
+def _ping(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    return {"rank": ctx.rank, "pid": os.getpid(), "device": ctx.device}
+
+
+@register_op("stats")
+def _stats(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    stats = {"rank": ctx.rank, "pid": os.getpid(), "device": ctx.device,
+             "rss": psutil.Process().memory_info().rss, "handles": sorted(ctx.objects),
+             "allocated": None, "reserved": None, "max_allocated": None}
+    if ctx.torch_device.type == "cuda":
+        stats.update(allocated=torch.cuda.memory_allocated(ctx.torch_device),
+                     reserved=torch.cuda.memory_reserved(ctx.torch_device),
+                     max_allocated=torch.cuda.max_memory_allocated(ctx.torch_device))
+    return stats
+
+
+@register_op("free")
+def _free(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Drop handles (``{"handles": [...]}`` or ``{"handle": h}``) and give their memory back to the device."""
+    handles = payload.get("handles") or [payload["handle"]]
+    freed = [h for h in handles if ctx.objects.pop(h, None) is not None]
+    gc.collect()
+    if ctx.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"freed": freed}
+
+
+class _NoTensorPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            raise TypeError("a tensor inside a payload: pass tensors in the tensors dict, they travel through shared "
+                            "memory")
+        return NotImplemented
+
+
+def dumps(msg: dict) -> bytes:
+    buf = io.BytesIO()
+    _NoTensorPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(msg)
+    return buf.getvalue()
+
+
+def recv(conn: Connection) -> dict:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _die_with_parent(host_pid: int) -> None:
+    """Exit when the host does. PR_SET_PDEATHSIG kills us even while stuck in a collective; the watchdog thread
+    covers platforms without it (and a parent that died before the prctl)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != host_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == host_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, name="mgpu-parent-watchdog", daemon=True).start()
+
+
+def _channel_address(text: str) -> str | tuple[str, int]:
+    kind, _, rest = text.partition(":")
+    if kind == "unix":
+        return rest
+    host, _, port = rest.rpartition(":")
+    return host, int(port)
+
+
+def _init_context(args: argparse.Namespace) -> RankContext:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:   # cpu ranks share the cores; oversubscribing them is slower
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    timeout = timedelta(seconds=args.timeout)
+    # Rank 0 serves the store on the socket the host bound (loopback by default); left to itself the TCPStore
+    # would listen on every interface.
+    listen = {"master_listen_fd": args.store_fd} if args.store_fd is not None else {}
+    store = dist.TCPStore(args.master_addr, args.master_port, args.world_size, args.rank == 0, timeout, **listen)
+    extra = {"device_id": device} if args.backend == "nccl" else {}
+    dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=timeout,
+                            **extra)
+    mesh = init_device_mesh(args.mesh_device_type, (args.world_size,))
+    for module in args.imports:
+        importlib.import_module(module)
+    return RankContext(args.rank, args.world_size, args.device, device, args.backend, dist.group.WORLD, mesh)
+
+
+def _normalize(result: OpResult) -> tuple[dict, Tensors]:
+    if result is None:
+        return {}, {}
+    if isinstance(result, dict):
+        return result, {}
+    payload, tensors = result
+    return payload or {}, tensors or {}
+
+
+def _serve_call(ctx: RankContext, msg: dict, inputs: Mapper, outputs: SegmentPool) -> bytes:
+    inputs.forget(msg["dropped"])
+    dropped = outputs.release(msg["released"].get(ctx.rank, ()))
+    packet = None
+    try:
+        fn = resolve_op(msg["op"])
+        tensors = inputs.borrow(msg["inputs"]) if msg["inputs"] else {}
+        payload, results = _normalize(fn(ctx, msg["payload"], tensors))
+        packet = outputs.pack(results)
+        return dumps({"kind": "ok", "payload": payload, "outputs": packet, "dropped": dropped})
+    except Exception as exc:  # noqa: BLE001 - reported to the host, which decides the pool's fate
+        if packet is not None:           # packed, then the payload would not pickle: nobody will lease it
+            dropped += outputs.release([packet.path])
+        return dumps({"kind": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                      "dropped": dropped})
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mgpu.rank", description="comfy-mgpu rank worker (started by the pool)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--backend", required=True, choices=["gloo", "nccl"])
+    p.add_argument("--mesh-device-type", required=True)
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--store-fd", type=int, help="rank 0: inherited listening socket for the rendezvous store")
+    p.add_argument("--channel", required=True, help="unix:/path or tcp:host:port of the host's command channel")
+    p.add_argument("--host-pid", type=int, required=True)
+    p.add_argument("--segment-dirs", nargs="+", required=True)
+    p.add_argument("--timeout", type=float, required=True, help="rendezvous and collective timeout, seconds")
+    p.add_argument("--imports", nargs="*", default=[])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one rank. The channel key arrives on stdin, not argv, so other users cannot read it from ps."""
+    args = _parse(argv)
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    faulthandler.enable()                                   # a crash leaves its stack in the log the host reads
+    if hasattr(faulthandler, "register"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # the host asks where a timed-out rank is stuck
+    _die_with_parent(args.host_pid)
+    conn = Client(_channel_address(args.channel), authkey=authkey)
+    conn.send_bytes(dumps({"kind": "hello", "rank": args.rank, "pid": os.getpid()}))
+    try:
+        ctx = _init_context(args)
+    except Exception as exc:  # noqa: BLE001 - reported to the host
+        conn.send_bytes(dumps({"kind": "error", "error": f"{type(exc).__name__}: {exc}",
+                               "traceback": traceback.format_exc()}))
+        sys.exit(1)
+    conn.send_bytes(dumps({"kind": "ready"}))
+    inputs, outputs = Mapper(), SegmentPool(args.segment_dirs)
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):
+            os._exit(1)             # the host closed the channel without saying goodbye: it is gone
+        if msg["kind"] == "shutdown":
+            break
+        conn.send_bytes(_serve_call(ctx, msg, inputs, outputs))
+    outputs.close()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)   # skip interpreter teardown (seconds with torch loaded): the host waits on it to close
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""Rank pool with real processes: 2 cpu ranks on gloo, driven from this process as the host.
+
+The ops below run on the ranks: they import this file as module ``test_pool`` (its folder is in extra_sys_path).
+Destructive tests come last and in order; each one's first call also proves the pool rebuilt after the previous one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from mgpu import shm
+from mgpu.errors import DeviceSpecError, RankFailure
+from mgpu.pool import PoolConfig, RankPool
+from mgpu.rank import register_op
+
+TESTS = str(Path(__file__).resolve().parent)
+REPO = str(Path(__file__).resolve().parent.parent)
+GRACE_S = 1.0
+
+# --------------------------------------------------------------------------------------------- ops (rank side)
+
+
+def op_echo(ctx, payload, tensors):
+    """Send the inputs back from the ranks in payload["ranks"] (all by default)."""
+    send = ctx.rank in payload.get("ranks", range(ctx.world_size))
+    return {"rank": ctx.rank}, (dict(tensors) if send else {})
+
+
+def op_all_reduce(ctx, payload, tensors):
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t, group=ctx.group)
+    return {"sum": t.item(), "mesh": ctx.mesh.size()}
+
+
+def op_raise(ctx, payload, tensors):
+    """Raise on payload["ranks"]; the others wait in a barrier the failing ranks never join."""
+    if ctx.rank in payload["ranks"]:
+        raise ValueError(f"boom on rank {ctx.rank}")
+    dist.barrier(group=ctx.group)
+
+
+def op_sleep(ctx, payload, tensors):
+    """payload["ranks"] sleep (saying so on stderr); then, with "collective", everyone all-reduces."""
+    if ctx.rank in payload.get("ranks", range(ctx.world_size)):
+        print(f"rank {ctx.rank} going to sleep", file=sys.stderr, flush=True)
+        time.sleep(payload["seconds"])
+    if payload.get("collective"):
+        dist.all_reduce(torch.ones(1), group=ctx.group)
+
+
+@register_op("test_pool.store")
+def op_store(ctx, payload, tensors):
+    ctx.objects[payload["handle"]] = tensors["x"].clone()   # inputs are views of memory the host reuses
+
+
+@register_op("test_pool.fetch")
+def op_fetch(ctx, payload, tensors):
+    return {}, {"x": ctx.objects[payload["handle"]]}
+
+
+# --------------------------------------------------------------------------------------------- helpers (host)
+
+
+def make_pool(**kwargs) -> RankPool:
+    return RankPool(PoolConfig(["cpu", "cpu"], extra_sys_path=[TESTS], error_grace_s=GRACE_S, **kwargs))
+
+
+def pids(pool: RankPool) -> list[int]:
+    return [r.payload["pid"] for r in pool.call("ping")]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pid_list: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(gone(p) for p in pid_list):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pool_dirs(owner: int) -> list[str]:
+    """The private directories (segments, logs, socket) of pools run by process ``owner``."""
+    found = []
+    for parent in {shm.shm_parent(), tempfile.gettempdir()}:
+        found += [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f"mgpu-{owner}-")]
+    return found
+
+
+def loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip)
+    return addr.is_loopback or bool(getattr(addr, "ipv4_mapped", None) and addr.ipv4_mapped.is_loopback)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = make_pool(imports=["test_pool"])
+    # Started from a thread that then exits: the ranks' PDEATHSIG must not be tied to it.
+    starter = threading.Thread(target=p.start)
+    starter.start()
+    starter.join()
+    assert p.generation == 1
+    yield p
+    p.close()
+
+
+# --------------------------------------------------------------------------------------------- tests
+
+
+def test_ranks_are_clean_interpreters_that_outlive_the_starting_thread(pool):
+    replies = pool.call("ping")
+    assert [r.rank for r in replies] == [0, 1]
+    assert [r.payload["device"] for r in replies] == ["cpu", "cpu"]
+    for r in replies:
+        proc = psutil.Process(r.payload["pid"])
+        assert proc.ppid() == os.getpid()
+        assert proc.cmdline()[1:3] == ["-m", "mgpu.rank"]
+    assert pool.alive and pool.world_size == 2
+
+
+def test_gloo_all_reduce_across_ranks(pool):
+    assert [r.payload for r in pool.call("test_pool:op_all_reduce")] == [{"sum": 3.0, "mesh": 2}] * 2
+
+
+def test_tensors_round_trip_bit_exact(pool):
+    special = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45, -3.5])
+    sent = {
+        "f32": torch.cat([special, torch.randn(1000)]),
+        "bf16": torch.randn(3, 7, 5).to(torch.bfloat16),
+        "i64": torch.randint(-2**62, 2**62, (17,), dtype=torch.int64),
+        "strided": torch.arange(24, dtype=torch.float32).reshape(4, 6).t()[::2],
+        "scalar": torch.tensor(7, dtype=torch.int16),
+        "empty": torch.empty(0, 3),
+        "mask": torch.rand(9) > 0.5,
+    }
+    assert not sent["strided"].is_contiguous()
+    first = pool.call("test_pool:op_echo", tensors=sent)
+    for reply in first:
+        assert set(reply.tensors) == set(sent)
+        for name, t in sent.items():
+            assert same_bits(reply.tensors[name], t), name
+    assert first[0].tensors["f32"].data_ptr() != first[1].tensors["f32"].data_ptr()
+    # Segments are reused between calls: what an earlier call returned must not change under the caller.
+    pool.call("test_pool:op_echo", tensors={k: torch.zeros_like(v) for k, v in sent.items()})
+    assert same_bits(first[0].tensors["bf16"], sent["bf16"]) and same_bits(first[1].tensors["i64"], sent["i64"])
+
+
+def test_steady_state_reuses_segments(pool):
+    def segments() -> int:
+        return sum(len([n for n in os.listdir(d) if n.startswith("seg-")]) for d in pool_dirs(os.getpid()))
+    for _ in range(3):
+        pool.call("test_pool:op_echo", tensors={"x": torch.randn(1000)})
+    count = segments()
+    for _ in range(10):
+        assert pool.call("test_pool:op_echo", tensors={"x": torch.randn(1000)})[1].tensors["x"].shape == (1000,)
+    assert segments() == count
+
+
+def test_only_the_ranks_that_return_tensors_send_them(pool):
+    replies = pool.call("test_pool:op_echo", {"ranks": [0]}, {"x": torch.ones(4)})
+    assert torch.equal(replies[0].tensors["x"], torch.ones(4)) and replies[1].tensors == {}
+
+
+def test_registered_ops_objects_by_handle_stats_and_free(pool):
+    x = torch.randn(64, 64)
+    pool.call("test_pool.store", {"handle": "latent"}, {"x": x})
+    pool.call("test_pool:op_echo", tensors={"x": torch.zeros(64, 64)})    # overwrites the host's input segment
+    assert all(torch.equal(r.tensors["x"], x) for r in pool.call("test_pool.fetch", {"handle": "latent"}))
+    stats = pool.call("stats")
+    assert [s.payload["handles"] for s in stats] == [["latent"], ["latent"]]
+    assert all(s.payload["rss"] > 50e6 and s.payload["allocated"] is None for s in stats)
+    assert [r.payload["freed"] for r in pool.call("free", {"handle": "latent"})] == [["latent"]] * 2
+    assert [s.payload["handles"] for s in pool.call("stats")] == [[], []]
+
+
+def test_tensor_in_payload_is_refused_before_sending(pool):
+    generation = pool.generation
+    with pytest.raises(TypeError, match="tensors dict"):
+        pool.call("ping", {"oops": torch.ones(2)})
+    assert pool.generation == generation and pool.alive
+
+
+def test_every_rank_raising_reports_traceback_and_keeps_the_pool(pool):
+    generation, before = pool.generation, pids(pool)
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_raise", {"ranks": [0, 1]})
+    err = info.value
+    assert err.rank in (0, 1) and err.device == "cpu"
+    assert f"ValueError: boom on rank {err.rank}" in str(err)
+    assert "op_raise" in err.traceback and 'raise ValueError(f"boom' in err.traceback
+    assert pool.alive and pool.generation == generation and pids(pool) == before
+    with pytest.raises(RankFailure, match="unknown op 'no_such_op'"):
+        pool.call("no_such_op")
+
+
+def test_rendezvous_and_every_socket_stay_on_loopback(pool):
+    assert PoolConfig(["cpu"]).master_addr == "127.0.0.1"
+    listening = []
+    for pid in pids(pool):
+        proc = psutil.Process(pid)
+        conns = proc.net_connections(kind="inet") if hasattr(proc, "net_connections") else proc.connections("inet")
+        listening += [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+        assert all(loopback(c.laddr.ip) for c in conns), conns
+    assert listening, "rank 0 should be listening (TCPStore)"
+
+
+def test_report_10mb_round_trip_overhead(pool, capsys):
+    """Not a timed assertion (a shared 2-core box); prints the numbers the lead tracks in bench/."""
+    latent = torch.randn(10 * 2**20 // 4)
+
+    def timing(fn, n=40) -> str:
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return f"{statistics.median(times) * 1e3:.2f} ms (min {min(times) * 1e3:.2f})"
+
+    ping = timing(lambda: pool.call("ping"))
+    one = timing(lambda: pool.call("test_pool:op_echo", {"ranks": [0]}, {"x": latent}))
+    both = timing(lambda: pool.call("test_pool:op_echo", tensors={"x": latent}))
+    with capsys.disabled():
+        print(f"\n[pool round trip, 2 cpu ranks, median] ping {ping}; 10 MB to both ranks and back from rank 0 {one}; "
+              f"back from both {both}")
+    assert torch.equal(pool.call("test_pool:op_echo", {"ranks": [0]}, {"x": latent})[0].tensors["x"], latent)
+
+
+def test_close_is_idempotent_and_leaves_no_processes_or_segments(pool):
+    before = pids(pool)
+    kept = pool.call("test_pool:op_echo", {"ranks": [1]}, {"x": torch.arange(5.0)})[1].tensors["x"]
+    assert pool_dirs(os.getpid())
+    pool.close()
+    pool.close()
+    assert all(gone(p) for p in before) and not pool.alive
+    assert pool_dirs(os.getpid()) == []
+    assert torch.equal(kept, torch.arange(5.0))                # a result outlives the pool that made it
+
+
+def test_one_rank_raising_while_others_wait_restarts_the_pool(pool):
+    before = pids(pool)               # a call after close() starts a fresh pool
+    generation = pool.generation
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_raise", {"ranks": [1]})
+    assert time.monotonic() - t0 < GRACE_S + 5
+    err = info.value
+    assert err.rank == 1 and "boom on rank 1" in str(err) and "op_raise" in err.traceback
+    assert "Ranks [0] were still busy" in str(err)
+    assert wait_gone(before, 5) and not pool.alive
+    assert pids(pool) != before and pool.generation == generation + 1
+
+
+def test_rank_sigkilled_in_a_collective_is_named_fast_and_the_pool_rebuilds(pool):
+    before = pids(pool)
+    generation = pool.generation
+    threading.Timer(1.0, os.kill, (before[1], signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_sleep", {"ranks": [1], "seconds": 60, "collective": True}, timeout=60)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert elapsed < 8, elapsed
+    assert err.rank == 1 and err.signal == "SIGKILL" and err.device == "cpu"
+    assert "rank 1 (cpu" in str(err) and "SIGKILL" in str(err)
+    assert "rank 1 going to sleep" in str(err)             # the tail of its stderr log
+    assert wait_gone(before, 5)
+    assert pids(pool) != before and pool.generation == generation + 1
+
+
+def test_rank_dying_while_idle_is_logged_and_the_pool_rebuilt_on_next_use(pool, caplog):
+    before, generation = pids(pool), pool.generation
+    os.kill(before[0], signal.SIGKILL)
+    assert wait_gone(before[:1], 5) and not pool.alive
+    with caplog.at_level("WARNING", logger="mgpu.pool"):
+        after = pids(pool)
+    assert "rank 0 (cpu" in caplog.text and "SIGKILL" in caplog.text and "while idle" in caplog.text
+    assert wait_gone(before, 5) and after != before and pool.generation == generation + 1
+
+
+def test_call_timeout_names_silent_ranks_and_where_they_hang(pool):
+    before = pids(pool)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_sleep", {"seconds": 60}, timeout=1.0)
+    assert time.monotonic() - t0 < 6
+    text = str(info.value)
+    assert "ranks 0 (cpu), 1 (cpu) did not answer" in text and "within 1s" in text
+    assert "op_sleep" in text                               # faulthandler's stack dump from the rank's log
+    assert wait_gone(before, 5) and not pool.alive
+    assert pool_dirs(os.getpid()) == []
+
+
+def test_rank_failing_to_start_reports_its_traceback_and_leaves_nothing_running():
+    pool = RankPool(PoolConfig(["cpu"], imports=["no_such_module_for_mgpu"]))
+    children = set(psutil.Process().children())
+    with pytest.raises(RankFailure, match="rank 0 \\(cpu\\) raised ModuleNotFoundError") as info:
+        pool.start()
+    assert "No module named 'no_such_module_for_mgpu'" in info.value.traceback
+    assert not pool.alive and pool.generation == 0
+    assert set(psutil.Process().children()) <= children
+
+
+def test_busy_rendezvous_port_fails_fast_with_the_port_named():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        pool = make_pool(master_port=port)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=f"127.0.0.1:{port}.*master_port"):
+            pool.start()
+        assert time.monotonic() - t0 < 2 and not pool.alive
+
+
+def test_more_ranks_than_gpus_fails_before_starting():
+    missing = f"cuda:{torch.cuda.device_count() + 1}"
+    with pytest.raises(DeviceSpecError, match=f"{missing} do not exist"):
+        RankPool(PoolConfig(["cuda:0", missing])).start()
+    with pytest.raises(DeviceSpecError, match="empty"):
+        RankPool(PoolConfig([])).start()
+
+
+HOST_SCRIPT = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from mgpu.pool import PoolConfig, RankPool
+pool = RankPool(PoolConfig(["cpu"]))
+print(json.dumps([r.payload["pid"] for r in pool.call("ping")]), flush=True)
+time.sleep(120)
+"""
+
+
+def test_ranks_exit_when_their_host_is_sigkilled():
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO)], stdout=subprocess.PIPE, text=True)
+    try:
+        rank_pids = json.loads(host.stdout.readline())
+        assert all(not gone(p) for p in rank_pids)
+        os.kill(host.pid, signal.SIGKILL)
+        host.wait()
+        assert wait_gone(rank_pids, 5), "ranks outlived their host"
+    finally:
+        host.kill()
+        host.wait()
+    leftovers = pool_dirs(host.pid)
+    assert leftovers, "a SIGKILLed host cannot clean up; the next pool's sweep must"
+    for parent in {os.path.dirname(d) for d in leftovers}:
+        shm.sweep_stale(parent)
+    assert pool_dirs(host.pid) == []
+
+
+def test_segments_are_lent_until_every_tensor_is_gone_then_reused_or_dropped(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "KEEP_BYTES", 2 * shm.MIN_SEGMENT)
+    sender, receiver = shm.SegmentPool([str(tmp_path)]), shm.Mapper()
+    first = sender.pack({"a": torch.arange(10)})
+    held = receiver.lease(first)["a"][2:]                  # a view of a leased tensor keeps the lease too
+    assert receiver.returned() == []
+    second = sender.pack({"a": torch.zeros(10)})
+    assert second.path != first.path                        # the first segment is still lent out
+    assert torch.equal(held, torch.arange(2, 10))
+    del held
+    assert receiver.returned() == [first.path]
+    assert sender.release([first.path]) == []
+    third = sender.pack({"b": torch.ones(3, dtype=torch.bfloat16)})
+    assert third.path == first.path and torch.equal(receiver.lease(third)["b"], torch.ones(3, dtype=torch.bfloat16))
+    big = sender.pack({"big": torch.zeros(3 * shm.MIN_SEGMENT // 4)})
+    assert sender.release([big.path]) == [big.path] and not os.path.exists(big.path)
+    receiver.forget([big.path])
+    sender.close()
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,132 @@
+"""The host-side handle over a real rank pool: sharded forward == single device, batch split over ranks, text context
+sent once, recovery after a killed rank. Real processes, gloo, diffusers' Wan model code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+import tiny_models as T
+from mgpu.errors import RankFailure
+from mgpu.model_ops import batch_rows
+from mgpu.pool import PoolConfig, RankPool
+from mgpu.sharded import ModelSpec, ShardedModule
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharded") / "wan.safetensors"
+    reference = T.reference("diffusers_wan")
+    T.save_checkpoint(reference, path)
+    return str(path), reference
+
+
+def spec(path: str) -> ModelSpec:
+    return ModelSpec(factory="tiny_models:tiny_diffusers_wan", checkpoint=path,
+                     cached_inputs=("encoder_hidden_states",))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def sharded(request, checkpoint):
+    pool = RankPool(PoolConfig(devices=["cpu"] * request.param, extra_sys_path=[TESTS], call_timeout_s=120))
+    model = ShardedModule(pool, spec(checkpoint[0]))
+    model.load()
+    yield model
+    pool.close()
+
+
+def test_batch_rows_cover_the_batch_once():
+    for batch in range(0, 7):
+        for ranks in range(1, 5):
+            rows = [batch_rows(batch, ranks, r) for r in range(ranks)]
+            covered = [i for lo, hi in rows for i in range(lo, hi)]
+            assert covered == list(range(batch))
+            sizes = [hi - lo for lo, hi in rows]
+            assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_sharded_forward_equals_single_device(sharded, checkpoint, batch):
+    inputs = T.diffusers_wan_inputs(batch, seed=batch)
+    expected = T.run_diffusers_wan(checkpoint[1], inputs)
+    got = sharded(**inputs, return_dict=False)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_each_rank_computes_its_own_rows(sharded, checkpoint):
+    """Rows come back in batch order: swapping two items of the batch swaps the outputs."""
+    inputs = T.diffusers_wan_inputs(2, seed=7)
+    out = sharded(**inputs, return_dict=False)
+    swapped = {k: v.flip(0) for k, v in inputs.items()}
+    out_swapped = sharded(**swapped, return_dict=False)
+    torch.testing.assert_close(out_swapped, out.flip(0), atol=1e-6, rtol=0)
+
+
+def test_no_rank_holds_the_whole_model(sharded, checkpoint):
+    total = sum(t.numel() * t.element_size() for t in checkpoint[1].state_dict().values())
+    n = sharded.pool.world_size
+    for reply in sharded.load_replies:
+        assert reply["report"]["bytes_read"] < total / n * 1.1 + 8192
+        assert reply["local_param_bytes"] < total / n * 1.1 + 8192
+    assert sum(r["report"]["bytes_read"] for r in sharded.load_replies) <= total * 1.01
+
+
+def test_text_context_is_sent_once(sharded, monkeypatch):
+    calls = []
+    real_call = sharded.pool.call
+
+    def spy(op, payload=None, tensors=None, timeout=None):
+        calls.append((op, dict(payload or {}), sorted(tensors or {})))
+        return real_call(op, payload, tensors, timeout)
+
+    monkeypatch.setattr(sharded.pool, "call", spy)
+    inputs = T.diffusers_wan_inputs(2, seed=11)
+    first = sharded(**inputs, return_dict=False)
+    inputs["hidden_states"] = inputs["hidden_states"] + 0.5   # a new latent, the same context
+    second = sharded(**inputs, return_dict=False)
+    forwards = [c for c in calls if c[0].endswith(":forward")]
+    assert len(forwards) == 2
+    assert any(name.startswith("cache:") for name in forwards[0][2])
+    assert not any(name.startswith("cache:") for name in forwards[1][2])
+    assert "hidden_states" in forwards[1][2]
+    assert not torch.equal(first, second)
+
+
+def test_changed_context_is_sent_and_used(sharded, checkpoint):
+    inputs = T.diffusers_wan_inputs(1, seed=3)
+    sharded(**inputs, return_dict=False)
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"] * 2   # new content: must not hit the cache
+    expected = T.run_diffusers_wan(checkpoint[1], inputs)
+    got = sharded(**inputs, return_dict=False)
+    assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def test_killed_rank_fails_the_call_then_the_model_reloads(checkpoint):
+    pool = RankPool(PoolConfig(devices=["cpu", "cpu"], extra_sys_path=[TESTS], call_timeout_s=120))
+    try:
+        model = ShardedModule(pool, spec(checkpoint[0]))
+        inputs = T.diffusers_wan_inputs(2, seed=5)
+        expected = T.run_diffusers_wan(checkpoint[1], inputs)
+        model(**inputs, return_dict=False)
+        first_generation = pool.generation
+        ranks = [r.payload["pid"] for r in pool.call("ping")]
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as info:
+            model(**inputs, return_dict=False)
+        assert time.monotonic() - t0 < 60
+        assert info.value.rank == 1 and "SIGKILL" in str(info.value)
+        assert not psutil.pid_exists(ranks[0]) or psutil.Process(ranks[0]).status() == psutil.STATUS_ZOMBIE
+        got = model(**inputs, return_dict=False)      # a fresh pool, the model loaded again
+        assert pool.generation == first_generation + 1
+        assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+    finally:
+        pool.close()
