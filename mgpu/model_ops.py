@@ -11,6 +11,7 @@ all-gathers need every rank.
 from __future__ import annotations
 
 import importlib
+import time
 from functools import partial
 from typing import Any
 
@@ -62,16 +63,21 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     """Build on meta, shard, allocate this rank's shards, read them from the checkpoint."""
     handle = payload["handle"]
     ctx.objects.pop(handle, None)
+    seconds = {}
+    t0 = time.perf_counter()
     factory = partial(_import(payload["factory"]), **payload.get("factory_kwargs", {}))
     param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
     model = build_meta(factory)
+    seconds["build"] = time.perf_counter() - t0
     shard(model, ctx.mesh, blocks=payload.get("blocks"), param_dtype=param_dtype,
           reshard_after_forward=payload.get("reshard_after_forward", True), prefetch=payload.get("prefetch", 1))
     materialize(model, ctx.torch_device)
+    seconds["shard"] = time.perf_counter() - t0 - seconds["build"]
     report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
+    seconds["read"] = report.seconds
     model.eval()
     ctx.objects[handle] = {"model": model, "param_dtype": param_dtype}
-    return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model),
+    return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model), "seconds": seconds,
             "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype)}
 
 

@@ -331,6 +331,9 @@ class RankPool:
         paths = [*cfg.extra_sys_path, package_parent, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["PYTHONUNBUFFERED"] = "1"          # the log tail we report must be current when a rank dies
+        cpu_ranks = sum(d == "cpu" for d in cfg.devices)
+        if cpu_ranks:  # cpu ranks share the host's cores: N ranks x all-cores threads thrash
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cpu_ranks)))
         interface = _interface_of(cfg.master_addr if ":" in cfg.master_addr else socket.gethostbyname(cfg.master_addr))
         if interface:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
