@@ -83,3 +83,10 @@ def test_bad_input_exits_2_with_one_line(files, case):
     expected = {"missing": "nope.safetensors", "not_safetensors": "model.ckpt", "bad_spec": "3x",
                 "bad_size": "frames", "bad_dtype": "fp7"}[case]
     assert expected in r.stderr
+
+
+def test_demo_shards_and_matches_one_device():
+    r = mgpu("demo", "--dim", "64", "--heads", "2", "--ffn", "128", "--layers", "2", "--steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: sharded matches one device" in r.stdout
+    assert "ranks: 2 on cpu, cpu" in r.stdout and "all-gathered per step" in r.stdout
