@@ -218,14 +218,14 @@ class RankPool:
 
     @property
     def alive(self) -> bool:
-        return bool(self._ranks) and all(r.proc.poll() is None for r in self._ranks)
+        return bool(self._ranks) and not any(_exited(r) for r in self._ranks)
 
     def start(self) -> None:
         """Start the ranks if they are not running (idempotent); raises RankFailure if they do not come up.
         A pool that lost a rank while idle (e.g. to the OOM killer) is logged and rebuilt."""
         with self._lock:
             if self._ranks and not self.alive:
-                dead = next(r.rank for r in self._ranks if r.proc.poll() is not None)
+                dead = next(r.rank for r in self._ranks if _exited(r))
                 log.warning("%s", self._death_failure(None, dead))
                 self._teardown(graceful=False)
             if self._ranks:
@@ -363,7 +363,7 @@ class RankPool:
 
     def _raise_if_dead(self, op: str, ranks: set[int]) -> None:
         for rank in sorted(ranks):
-            if self._ranks[rank].proc.poll() is not None:
+            if _exited(self._ranks[rank]):
                 raise self._death_failure(op, rank)
 
     def _send_and_gather(self, op: str, message: bytes, timeout_s: float) -> dict[int, dict]:
@@ -403,7 +403,7 @@ class RankPool:
                     errors.append(rank)
                     stop = min(stop, time.monotonic() + self.config.error_grace_s)
             dead += [r.rank for r in waiting if r.rank not in replies and r.rank not in dead
-                     and r.proc.poll() is not None]
+                     and _exited(r)]
         missing = [r.rank for r in self._ranks if r.rank not in replies and r.rank not in dead]
         if not (errors or dead or missing):
             return replies
@@ -497,6 +497,17 @@ class RankPool:
         for directory in self._dirs:
             shutil.rmtree(directory, ignore_errors=True)
         self._dirs = []
+
+
+def _exited(r: _Rank) -> bool:
+    """Whether a rank process has ended. ``Popen.poll()`` answers "running" while another thread is inside
+    ``wait()`` on the same process, so a zombie (dead, not yet reaped) also counts as ended."""
+    if r.proc.poll() is not None:
+        return True
+    try:
+        return psutil.Process(r.proc.pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _wait_exit(ranks: list[_Rank], seconds: float) -> None:
