@@ -29,7 +29,7 @@ def load_broadcast(ctx, payload: dict, tensors: dict) -> dict:
     full = load_file(payload["checkpoint"]) if ctx.rank == 0 else {}
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
-    ctx.objects[payload["handle"]] = {"model": model, "param_dtype": None}
+    ctx.objects[payload["handle"]] = {"model": model, "param_dtype": None, "cache": {}}
     return {"seconds": time.perf_counter() - t0, "local_param_bytes": _local_bytes(model)}
 
 

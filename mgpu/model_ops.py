@@ -23,7 +23,6 @@ from mgpu.rank import RankContext, Tensors
 from mgpu.slice_load import load_sharded
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
-_CACHE = "__tensor_cache__"
 
 
 def batch_rows(batch: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -76,7 +75,7 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
     seconds["read"] = report.seconds
     model.eval()
-    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype}
+    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}}
     return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model), "seconds": seconds,
             "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype)}
 
@@ -104,7 +103,7 @@ def _output_tensor(out: Any) -> torch.Tensor:
 
 def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
     entry = ctx.objects[payload["handle"]]
-    cache: dict[str, torch.Tensor] = ctx.objects.setdefault(_CACHE, {})
+    cache: dict[str, torch.Tensor] = entry["cache"]  # per model: each host handle mirrors its own LRU
     for digest in payload.get("cache_drop", ()):
         cache.pop(digest, None)
     for digest, name in payload.get("cache_put", {}).items():
@@ -134,4 +133,4 @@ def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     entry = ctx.objects[payload["handle"]]
     return {"local_param_bytes": _local_bytes(entry["model"]),
             "gathered_bytes_per_forward": _gathered_bytes(entry["model"], entry["param_dtype"]),
-            "cached_tensors": len(ctx.objects.get(_CACHE, {})), "world_size": ctx.world_size}
+            "cached_tensors": len(entry["cache"]), "world_size": ctx.world_size}

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mgpu.errors import ShardingError
 from mgpu.sizing import TensorInfo, read_headers
 
-_DTYPES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "C64": torch.complex64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "BOOL": torch.bool,
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
@@ -132,7 +132,8 @@ def _check(model: nn.Module, path: str, prefix: str, targets: dict[str, torch.Te
         ("unexpected keys", unexpected),
         ("shape mismatches", [f"{i.name}: checkpoint {i.shape} vs model {tuple(t.shape)}"
                               for t, i in present if i.shape != tuple(t.shape)]),
-        ("tensors of unsupported dtype", [f"{i.name} ({i.dtype})" for _, i in present if i.dtype not in _DTYPES]),
+        ("tensors of unsupported dtype", [f"{i.name} ({i.dtype})" for _, i in present
+                                          if i.dtype not in SAFETENSORS_DTYPES]),
     ) if items]
     if problems:
         raise ShardingError(f"The checkpoint {path} does not match {type(model).__name__} (key prefix {prefix!r}): "
@@ -182,7 +183,7 @@ def load_sharded(model: nn.Module, path: str | os.PathLike, *, key_map: Callable
                     files[file] = stack.enter_context(open(file, "rb", buffering=0))
                 raw = _read(files[file], info.start + start * row_bytes, nbytes, file)
                 dest = t.to_local() if isinstance(t, DTensor) else t
-                dest.copy_(torch.frombuffer(raw, dtype=_DTYPES[info.dtype]).view(dest.shape))
+                dest.copy_(torch.frombuffer(raw, dtype=SAFETENSORS_DTYPES[info.dtype]).view(dest.shape))
                 report.reads += 1
                 report.max_read_bytes = max(report.max_read_bytes, nbytes)
             report.tensors_read += 1

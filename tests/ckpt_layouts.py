@@ -97,7 +97,7 @@ def wan22_ti2v_5b(dtype: str = "BF16", prefix: str = "") -> Layout:
 
 
 def wan_dit_tiny(layers: int = 3, i2v: bool = False, dtype: str = "BF16", prefix: str = "") -> Layout:
-    """Loadable by ComfyUI's WanModel (heads = dim // 128 = 2); ~3.4 M params without i2v."""
+    """Loadable by ComfyUI's WanModel (heads = dim // 128 = 2); ~4 M params (8 MB bf16) without i2v."""
     return wan_dit(256, 512, layers, in_ch=36 if i2v else 16, i2v=i2v, dtype=dtype, prefix=prefix)
 
 
@@ -190,7 +190,10 @@ _GEMMA_ROOTS = {  # text root, vision root, projector root
 def gemma3(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, head_dim: int = 256,
            vocab: int = 262208, vision: tuple[int, int, int, int] | None = (1152, 4304, 27, 4096),
            naming: str = "hf", dtype: str = "BF16") -> Layout:
-    """Gemma 3 (text + optional SigLIP vision tower given as (hidden, mlp, layers, positions))."""
+    """Gemma 3 (text + optional SigLIP vision tower given as (hidden, mlp, layers, positions)).
+
+    naming: "hf" as in the google/gemma-3-*-it files, "hf_new" as transformers 4.5x saves it, "comfy" text only.
+    """
     text, vis, proj = _GEMMA_ROOTS[naming]
     b = _Builder(dtype)
     b.add(text + "embed_tokens.weight", vocab, hidden)
@@ -506,7 +509,7 @@ def write_bad_header(path: str | Path, layout: Layout, defect: str) -> Path:
     if defect == "not_json":
         raw = raw[:-5] + b"!!!!!"
     raw += b" " * (-len(raw) % 8)
-    length = len(raw) + (10**6 if defect == "header_past_end" else 0)
+    length = len(raw) + (data_size + 1 if defect == "header_past_end" else 0)
     Path(path).write_bytes(length.to_bytes(8, "little") + raw)
     with open(path, "r+b") as f:
         f.truncate(8 + len(raw) + data_size)

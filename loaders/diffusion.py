@@ -1,0 +1,239 @@
+"""The diffusion model as ComfyUI's own MODEL: on one chosen device, or sharded with FSDP over a rank pool.
+
+FSDP, end to end: the ComfyUI process holds no weights. It builds ComfyUI's BaseModel on the meta device from the
+checkpoint header (so model sampling, latent format, conds and previews are ComfyUI's own) and wraps it in a
+weightless ModelPatcher. An object patch on that patcher replaces the network's ``_forward`` with a call to the
+ranks: any sampler node works with the MODEL (KSampler, SamplerCustomAdvanced, MGPU FSDP Sampler), and
+DIFFUSION_MODEL wrappers other nodes add (EasyCache, ...) run around the remote forward as around a local one. The
+ranks build the same network with ComfyUI's own detection (``loaders.rank_factory``), shard it with FSDP2 and read
+only their slices of the checkpoint.
+
+What cannot travel to the ranks: ``transformer_options`` (sigmas, cond_or_uncond, uuids, wrappers... stay on the
+host; the network does not need them) and anything that patches the network itself (weight patches such as LoRA,
+hook patches, ``patches`` / ``patches_replace``, object patches inside the network, ControlNet). Those raise a
+clear error instead of being ignored; supporting them under FSDP is a later step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+import time
+import weakref
+
+import comfy.cli_args
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.sd
+import folder_paths
+import torch
+
+from mgpu.errors import MgpuError, RankFailure
+from mgpu.sharded import ModelSpec, ShardedModule
+
+from . import pools
+from .placement import NODE_OF_ROLE, resolve
+from .rank_factory import agree_dtype, detect, numeric_flags
+
+log = logging.getLogger("mgpu")
+
+NODE = NODE_OF_ROLE["dit"]
+FACTORY = "loaders.rank_factory:diffusion_model"
+PREPARE = "loaders.rank_factory:prepare"
+REMOTE_FORWARD = "diffusion_model._forward"   # the object patch that sends the network's forward to the ranks
+OPTIONS_KEY = "mgpu_fsdp"   # transformer_options[OPTIONS_KEY]: per-sampler settings of the remote forward (timeout_s)
+# Node choice -> torch dtype name; "default" lets ComfyUI choose per device, as UNETLoader does.
+WEIGHT_DTYPES = {"default": None, "fp8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16",
+                 "fp16": "float16", "fp32": "float32"}
+CACHED_INPUTS = ("context", "clip_fea")   # the same every step: sent to the ranks once
+GATHER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # ModelSpec.param_dtype names
+_handles = itertools.count()
+
+
+def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None):
+    """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any."""
+    path = folder_paths.get_full_path("diffusion_models", unet_name)
+    if path is None or not os.path.isfile(path):
+        raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
+                        f"({', '.join(folder_paths.get_folder_paths('diffusion_models'))}); put the file there and "
+                        "refresh (press r in the ComfyUI page), or pick another")
+    choice = resolve(device, "dit", plan)
+    dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
+    log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
+    if choice.strategy == "fsdp":
+        return load_fsdp(path, unet_name, pools.fsdp_devices(choice.devices, fsdp_ranks), dtype)
+    return load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's own partial loading
+
+
+def load_single(path: str, device: torch.device, dtype: str | None):
+    """ComfyUI's own loader, placed on ``device``.
+
+    Newer ComfyUI honours ``model_options["load_device"]``; 0.3.64 loads for its main device, so there the patcher
+    is moved afterwards (no global device function is patched) and its compute dtype recast for ``device``: the
+    weights keep the dtype ComfyUI chose for its main device, the arithmetic is what ``device`` supports.
+    """
+    options: dict = {"load_device": device}
+    if dtype is not None:
+        options["dtype"] = getattr(torch, dtype)
+    patcher = comfy.sd.load_diffusion_model(path, model_options=options)
+    if patcher.load_device != device:
+        patcher.load_device = device
+        model = patcher.model
+        cast = mm.unet_manual_cast(model.get_dtype(), device, model.model_config.supported_inference_dtypes)
+        if cast != model.manual_cast_dtype:
+            patcher.set_model_compute_dtype(cast)
+    return patcher
+
+
+class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
+    """ModelPatcher of a model whose weights live on FSDP ranks.
+
+    ComfyUI's model management sees a 0-byte model, so it neither moves nor counts weights (stock ``load`` would
+    ``.to()`` the meta network and fail). Object patches (model sampling, ...) still apply, on the host's BaseModel.
+    """
+
+    def model_size(self) -> int:
+        return 0
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False) -> None:
+        self._refuse_network_patches()
+        self.model.device = device_to
+        self.model.model_loaded_weight_memory = 0
+        self.model.current_weight_patches_uuid = self.patches_uuid
+
+    def partially_unload(self, device_to, memory_to_free=0) -> int:
+        return 0
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True) -> None:
+        super().unpatch_model(None, unpatch_weights)   # never .to(): the host's network is on meta
+        if device_to is not None:
+            self.model.device = device_to
+
+    def _refuse_network_patches(self) -> None:
+        found = [label for label, present in (
+            ("weight patches (LoRA or a model merge)", self.patches),
+            ("hook weight patches", self.hook_patches),
+            ("weight wrappers", self.weight_wrapper_patches),
+            ("object patches of the network",
+             [k for k in self.object_patches if k.startswith("diffusion_model") and k != REMOTE_FORWARD]),
+        ) if present]
+        if found:
+            raise MgpuError(f"{NODE}: this FSDP model carries {', '.join(found)}, which would not reach the FSDP "
+                            "ranks (patching a sharded model is not supported yet). Remove the nodes that add them "
+                            "(e.g. LoRA loaders), or load the model on one device")
+
+
+def _no_host_memory(input_shape, cond_shapes=None) -> int:
+    """BaseModel.memory_required of a sharded model: the host computes nothing, so ComfyUI always batches cond and
+    uncond, which the ranks then split between them instead of running two half-idle calls."""
+    return 0
+
+
+def _plain(value) -> bool:
+    """Data a rank call can carry besides tensors: scalars, strings, None, and lists/tuples of them."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+class RemoteForward:
+    """The host network's ``_forward`` (an object patch): runs it on the FSDP ranks; the meta network never runs.
+
+    Being the network's own ``_forward``, it is what the innermost DIFFUSION_MODEL wrapper calls, so every wrapper
+    stays outside it and sees the same tensors as with a local network.
+    """
+
+    def __init__(self, sharded: ShardedModule, label: str, signature: inspect.Signature):
+        self.sharded = sharded
+        self.label = label
+        self.signature = signature
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        named = dict(self.signature.bind(*args, **kwargs).arguments)
+        for p in self.signature.parameters.values():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(named.pop(p.name, {}))
+        options = named.pop("transformer_options", None) or {}
+        self._refuse(options, named)
+        x = next(v for v in named.values() if isinstance(v, torch.Tensor))
+        try:
+            out = self.sharded(**named, timeout=options.get(OPTIONS_KEY, {}).get("timeout_s"))
+        except RankFailure as exc:
+            raise pools.explain(exc, f"{self.label}: a denoising step") from exc
+        return out.to(x.device)
+
+    def _refuse(self, options: dict, named: dict) -> None:
+        patched = [k for k in ("patches", "patches_replace") if options.get(k)]
+        if patched:
+            raise MgpuError(f"{self.label}: the sampler passes transformer_options {', '.join(patched)} (set by "
+                            "patching nodes), which cannot run on the FSDP ranks; remove those nodes, or load the "
+                            "model on one device")
+        odd = [k for k, v in named.items() if not isinstance(v, torch.Tensor) and not _plain(v)]
+        if odd:
+            raise MgpuError(f"{self.label}: the network got {', '.join(odd)} (e.g. ControlNet), which cannot be sent "
+                            "to the FSDP ranks yet; remove that node, or load the model on one device")
+
+
+class _ComfyShardedModule(ShardedModule):
+    """Each (re)load first runs ``prepare`` on the ranks: it imports ComfyUI there outside the meta-device build
+    and agrees on the dtype. The first load fixes the dtype; reloads after a rank failure keep it, since the host's
+    BaseModel was built for it."""
+
+    def __init__(self, pool, spec: ModelSpec, handle: str, unet_dtype: str | None):
+        super().__init__(pool, spec, handle)
+        self.unet_dtype = unet_dtype
+        self.manual_cast: str | None = None
+
+    def load(self, timeout: float | None = None) -> list[dict]:
+        kwargs = self.spec.factory_kwargs
+        replies = self.pool.call(PREPARE, {"checkpoint": self.spec.checkpoint, "flags": kwargs["flags"],
+                                           "unet_dtype": self.unet_dtype}, timeout=timeout)
+        self.unet_dtype, self.manual_cast = agree_dtype([r.payload for r in replies], kwargs["devices"])
+        kwargs["unet_dtype"] = self.unet_dtype
+        if "float8" in self.unet_dtype and "cpu" in kwargs["devices"]:
+            # gloo (CPU ranks) cannot all-gather float8: gather the fp8 weights upcast (exactly) to the compute dtype
+            self.spec.param_dtype = GATHER_DTYPES[self.manual_cast]
+        return super().load(timeout)
+
+
+def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None):
+    """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here."""
+    model_config, sd, prefix = detect(path)
+    handle = f"dit-{next(_handles)}"
+    comfy_root = os.path.dirname(os.path.abspath(folder_paths.__file__))   # the ComfyUI checkout
+    pool = pools.acquire(devices, handle, [comfy_root])
+    spec = ModelSpec(factory=FACTORY, checkpoint=path, key_prefix=prefix, cached_inputs=CACHED_INPUTS,
+                     factory_kwargs={"checkpoint": path, "devices": devices,
+                                     "flags": numeric_flags(comfy.cli_args.args)})
+    sharded = _ComfyShardedModule(pool, spec, handle, dtype)
+    label = f"{name} sharded over {len(devices)} ranks ({', '.join(devices)})"
+    began = time.perf_counter()
+    try:
+        sharded.load()
+        log.info("%s: %s loaded in %.1f s (%s, compute %s)", NODE, label, time.perf_counter() - began,
+                 sharded.unet_dtype, sharded.manual_cast or sharded.unet_dtype)
+        model_config.set_inference_dtype(getattr(torch, sharded.unet_dtype),
+                                         sharded.manual_cast and getattr(torch, sharded.manual_cast))
+        base = model_config.get_model(sd, "", device="meta")
+    except BaseException as exc:
+        pools.release(sharded)
+        if isinstance(exc, RankFailure):
+            raise pools.explain(exc, f"{NODE}: loading {label}") from exc
+        raise
+    weakref.finalize(base, pools.release_later, sharded)   # ComfyUI dropped the MODEL: free the shards
+    cpu = torch.device("cpu")   # the host only does the sampler's arithmetic on the latent
+    base.device = cpu
+    patcher = ShardedModelPatcher(base, load_device=cpu, offload_device=cpu)
+    signature = inspect.signature(base.diffusion_model._forward)
+    patcher.add_object_patch(REMOTE_FORWARD, RemoteForward(sharded, label, signature))
+    patcher.add_object_patch("memory_required", _no_host_memory)
+    return patcher
+
+
+def with_step_timeout(model, timeout_s: float):
+    """A clone of ``model`` whose FSDP steps fail after ``timeout_s`` instead of the pool's default."""
+    model = model.clone()
+    model.model_options["transformer_options"][OPTIONS_KEY] = {"timeout_s": timeout_s}
+    return model

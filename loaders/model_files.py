@@ -1,0 +1,212 @@
+"""Model files by NAME from ComfyUI's model folders, and the plan request the MGPU Plan node and
+POST /mgpu/plan share.
+
+Why names only: the route is reachable by anything that can reach ComfyUI, so it must never open a path a
+client chose. A name is accepted only if ComfyUI itself lists it in that folder (subfolders included, as
+ComfyUI's own loaders show them); absolute paths, ``..`` and unknown names are refused before any file is
+touched. Planning reads safetensors headers only, so a request never loads weights nor writes anything.
+
+ComfyUI is imported lazily (``comfy_folders``): the validation runs, and is unit-tested, without it.
+"""
+
+from __future__ import annotations
+
+import ntpath
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mgpu.devices import Device, inventory, parse_spec
+from mgpu.errors import MgpuError, SizingError
+from mgpu.estimates import Workload
+# _phases_resident is the partitioner's own residency rule: the chart's bars then add up to its numbers.
+from mgpu.partition import PHASES, Component, Plan, Policy, _phases_resident, make_plan
+from mgpu.sizing import ComponentSize, size_component
+
+from .placement import live_devices
+
+FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+NONE = "none"
+AUTO_DEVICES = "auto"
+# The weight dtypes MGPU Load Diffusion Model offers (its module imports ComfyUI, so they are repeated here;
+# tests/test_comfyui_nodes.py checks the two lists agree). "default" is sized as stored in the file.
+DIT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2", "bf16", "fp16", "fp32")
+# (min, max, default): the node's widgets and the route accept the same numbers.
+INT_LIMITS = {"width": (16, 16384, 832), "height": (16, 16384, 480), "frames": (1, 16384, 81), "batch": (1, 64, 1)}
+BOOL_DEFAULTS = {"cfg": True, "allow_offload": False, "prefer_speed": False}
+MAX_DEVICE_SPEC = 200
+# Where an all-in-one checkpoint (LTX-Video's) keeps its VAE; MGPU Load VAE and the plan both look there.
+VAE_PREFIX_IN_CHECKPOINT = "vae."
+_CHECKPOINT_PREFIX = {"dit": "model.diffusion_model.", "vae": VAE_PREFIX_IN_CHECKPOINT}
+
+ListFiles = Callable[[str], list[str]]
+FullPath = Callable[[str, str], "str | None"]
+
+
+class BadRequest(MgpuError, ValueError):
+    """A request the client must change (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: file names (None = not planned) as ComfyUI lists them, the workload, devices and policy."""
+
+    dit: str
+    text_encoder: str | None = None
+    vae: str | None = None
+    width: int = 832
+    height: int = 480
+    frames: int = 81
+    batch: int = 1
+    cfg: bool = True
+    dit_dtype: str = "default"
+    devices: str = AUTO_DEVICES
+    allow_offload: bool = False
+    prefer_speed: bool = False
+
+
+def check_name(role: str, name: object, listed: list[str]) -> str:
+    """The name if ComfyUI lists it in the role's folder; BadRequest saying why not otherwise."""
+    folder = FOLDERS[role]
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest(f"{role}: give a file name from ComfyUI's {folder} folder, got {name!r}")
+    if posixpath.isabs(name) or ntpath.isabs(name) or name.startswith(("/", "\\", "~")):
+        raise BadRequest(f"{role}: {name!r} is a path; give a file name as listed in ComfyUI's {folder} folder")
+    if ".." in name.replace("\\", "/").split("/"):
+        raise BadRequest(f"{role}: {name!r} leaves the {folder} folder ('..'); give a file name as ComfyUI lists it")
+    if name not in listed:
+        hint = f"e.g. {', '.join(listed[:3])}" if listed else "it is empty: put the model file there first"
+        raise BadRequest(f"{role}: {name!r} is not in ComfyUI's {folder} folder ({hint})")
+    return name
+
+
+def _int(body: dict, key: str) -> int:
+    low, high, default = INT_LIMITS[key]
+    value = body.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be a whole number from {low} to {high}, got {value!r}")
+    if not low <= value <= high:
+        raise BadRequest(f"{key} must be from {low} to {high}, got {value}")
+    return value
+
+
+def _bool(body: dict, key: str) -> bool:
+    value = body.get(key, BOOL_DEFAULTS[key])
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
+    """Validate a POST /mgpu/plan body (JSON object); every problem is a BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object such as {\"dit\": \"wan2.1_t2v_14B_bf16.safetensors\"}")
+    known = {"dit", "text_encoder", "vae", "dit_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS}
+    if unknown := sorted(set(body) - known):
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
+    if "dit" not in body:
+        raise BadRequest("dit is required: a file name from ComfyUI's diffusion_models folder")
+    names: dict[str, str | None] = {}
+    for role in FOLDERS:
+        value = body.get(role)
+        names[role] = None if role != "dit" and value in (None, NONE) else check_name(role, value, list_files(FOLDERS[role]))
+    dit_dtype = body.get("dit_dtype", "default")
+    if dit_dtype not in DIT_DTYPES:
+        raise BadRequest(f"dit_dtype must be one of {', '.join(DIT_DTYPES)}, got {dit_dtype!r}")
+    devices = body.get("devices", AUTO_DEVICES)
+    if not isinstance(devices, str) or len(devices) > MAX_DEVICE_SPEC:
+        raise BadRequest(f"devices must be 'auto' or a device spec such as 2x24GiB (at most {MAX_DEVICE_SPEC} "
+                         f"characters), got {str(devices)[:50]!r}")
+    return PlanRequest(dit=names["dit"], text_encoder=names["text_encoder"], vae=names["vae"],
+                       **{k: _int(body, k) for k in INT_LIMITS}, **{k: _bool(body, k) for k in BOOL_DEFAULTS},
+                       dit_dtype=dit_dtype, devices=check_devices(devices))
+
+
+def check_devices(spec: str) -> str:
+    """'auto' (also for blank) or a device spec that parses; BadRequest with the accepted forms otherwise."""
+    spec = spec.strip() or AUTO_DEVICES
+    if spec.lower() != AUTO_DEVICES:
+        try:
+            parse_spec(spec)
+        except MgpuError as exc:
+            raise BadRequest(f"devices: {exc}") from None
+    return spec
+
+
+def plan_devices(request: PlanRequest, live: Callable[[], list[Device]] | None = None) -> list[Device]:
+    """'auto': this machine as the loaders see it; otherwise the simulated spec (host RAM added if absent)."""
+    if check_devices(request.devices).lower() == AUTO_DEVICES:
+        return (live or live_devices)()
+    return inventory(request.devices)
+
+
+def _size(role: str, path: str) -> ComponentSize:
+    """The component's size; in an all-in-one checkpoint (DiT + VAE), the part the role names."""
+    size = size_component(path)
+    prefix = _CHECKPOINT_PREFIX.get(role)
+    if prefix is None or size.kind == role:
+        return size
+    try:
+        part = size_component(path, prefix=prefix)
+    except SizingError:
+        return size
+    return part if part.kind == role else size
+
+
+def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], list[Device]] | None = None) -> Plan:
+    """Size the named files from their headers and plan them. SizingError/PlanError pass through with the
+    file named; a file ComfyUI listed but cannot find any more is a SizingError too."""
+    components = []
+    for role, folder in FOLDERS.items():
+        name = getattr(request, role)
+        if name is None:
+            continue
+        path = full_path(folder, name)
+        if path is None:
+            raise SizingError(f"{role}: {name!r} is no longer in ComfyUI's {folder} folder; refresh the node list "
+                              "(press r in the ComfyUI page) and pick it again")
+        dtype = None if role != "dit" or request.dit_dtype == "default" else request.dit_dtype
+        components.append(Component(role, _size(role, path), dtype))
+    workload = Workload(width=request.width, height=request.height, frames=request.frames, batch=request.batch,
+                        cfg=request.cfg)
+    policy = Policy(allow_offload=request.allow_offload, prefer_speed=request.prefer_speed)
+    return make_plan(components, plan_devices(request, live), workload, policy)
+
+
+def comfy_folders() -> tuple[ListFiles, FullPath]:
+    """ComfyUI's folder lookups (only inside ComfyUI)."""
+    import folder_paths
+
+    return folder_paths.get_filename_list, folder_paths.get_full_path
+
+
+_ROLE_LABEL = {"text_encoder": "text encoder", "dit": "DiT", "vae": "VAE"}
+_RUNS_IN = {"encode": "text_encoder", "sample": "dit", "decode": "vae"}
+
+
+def chart(plan: Plan) -> list[dict]:
+    """Per device and phase (encode, sample, decode): the weights resident then and the running component's
+    working memory, which add up to the phase's bytes; the largest phase is the device's peak. The web extension
+    draws one bar per phase, so a text encoder freed before sampling still shows where it ran."""
+    policy = Policy(**plan.policy)
+    names = {d["id"]: d["name"] for d in plan.devices}
+    rows = []
+    for use in plan.usage:
+        phases = []
+        for phase in PHASES:
+            segments = []
+            for p in plan.placements:
+                if use.device in p.resident_bytes and phase in _phases_resident(p.role, p.strategy, policy):
+                    what = _ROLE_LABEL[p.role] + (" shard" if p.strategy == "fsdp" else "")
+                    segments.append({"kind": p.role, "label": f"{what} weights", "bytes": p.resident_bytes[use.device]})
+            running = plan.placement(_RUNS_IN[phase])
+            if running is not None and running.working_bytes.get(use.device):
+                segments.append({"kind": "working", "label": f"{_ROLE_LABEL[running.role]} working",
+                                 "bytes": running.working_bytes[use.device]})
+            phases.append({"phase": phase, "bytes": use.by_phase[phase], "segments": segments})
+        rows.append({"device": use.device, "name": names.get(use.device, ""), "budget_bytes": use.budget_bytes,
+                     "peak_bytes": use.peak_bytes, "headroom_bytes": use.headroom_bytes, "phases": phases})
+    return rows

@@ -1,0 +1,221 @@
+"""Which device an MGPU loader uses: the stable combo values, their labels, and how a choice resolves.
+
+Combo VALUES are plain ids ("auto", "cpu", "cuda:N", "fsdp") so a saved workflow keeps working when free
+memory or GPU names change; only the LABELS (web extension, GET /mgpu/devices) carry names and memory.
+"auto" follows an MGPU Plan when one is connected, so the plan's decision and the loaders' cannot drift apart.
+
+Importable without ComfyUI: inside ComfyUI, ``comfy.model_management`` is already loaded and its device list
+(``get_all_torch_devices``, ComfyUI 2026) is used when it exists; outside, it is never imported (importing it
+probes devices and parses ComfyUI's command line).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+
+from mgpu.devices import Device, format_bytes, gpus, host, inventory
+from mgpu.errors import MgpuError
+
+log = logging.getLogger("mgpu")
+
+AUTO, CPU, FSDP = "auto", "cpu", "fsdp"
+ROLES = ("dit", "text_encoder", "vae")
+NODE_OF_ROLE = {"dit": "MGPU Load Diffusion Model", "text_encoder": "MGPU Load Text Encoder", "vae": "MGPU Load VAE"}
+_LABEL_OF_ROLE = {"dit": "diffusion model", "text_encoder": "text encoder", "vae": "VAE"}
+# Weight dtypes a plan can ask a loader to recast to (ComfyUI's UNETLoader names); anything else is "as stored".
+RECAST_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")
+# FSDP with no GPU: gloo ranks on the CPU. Correct but slow; it exists so workflows can be tried anywhere.
+CPU_FSDP_RANKS = 2
+
+
+@dataclass
+class Choice:
+    """What a loader should do: ``strategy`` "single" | "cpu" | "fsdp" | "offload" on ``devices``.
+
+    ``devices``: one entry for single/cpu, one per rank for fsdp, [compute GPU, "cpu"] for offload.
+    ``weight_dtype``: the recast the plan sized the model for (one of RECAST_DTYPES), None = as stored.
+    """
+
+    strategy: str
+    devices: list[str]
+    weight_dtype: str | None
+    reason: str
+
+
+# --- the machine --------------------------------------------------------------------------------------------------
+
+def _comfy_device_ids() -> list[str] | None:
+    """ComfyUI's own GPU list when this ComfyUI has one (2026+), else None."""
+    mm = sys.modules.get("comfy.model_management")
+    list_devices = getattr(mm, "get_all_torch_devices", None)
+    if list_devices is None:
+        return None
+    try:
+        return [str(d) for d in list_devices() if str(d).startswith("cuda:")]
+    except Exception as exc:  # a ComfyUI whose device query breaks must not break our nodes
+        log.warning("MGPU: comfy.model_management.get_all_torch_devices() failed (%s); using NVML/torch instead", exc)
+        return None
+
+
+def _comfy_record(device_id: str) -> Device:
+    """A GPU ComfyUI knows but NVML/torch did not list: memory as ComfyUI reports it."""
+    import torch
+
+    mm = sys.modules["comfy.model_management"]
+    dev = torch.device(device_id)
+    return Device(id=device_id, kind="cuda", index=dev.index, name=str(mm.get_torch_device_name(dev)),
+                  total_bytes=int(mm.get_total_memory(dev)), free_bytes=int(mm.get_free_memory(dev)), source="torch")
+
+
+def _probe() -> list[Device]:
+    found = inventory()
+    ids = _comfy_device_ids()
+    if ids is None:
+        return found
+    by_id = {d.id: d for d in found}
+    listed = [by_id[i] if i in by_id else _comfy_record(i) for i in ids]
+    return listed + [h for h in [host(found)] if h]
+
+
+@functools.cache
+def _live_gpu_ids() -> tuple[str, ...]:
+    """GPU ids, read once: ComfyUI asks for a node's inputs on every /object_info and validation, and GPUs do
+    not come and go while it runs. A broken NVML or MGPU_DEVICES leaves cpu only, said in one log line."""
+    try:
+        return tuple(d.id for d in gpus(_probe()))
+    except Exception as exc:
+        log.warning("MGPU: cannot list GPUs (%s); device choices offer cpu only", exc)
+        return ()
+
+
+def live_devices() -> list[Device]:
+    """This machine's GPUs with their current free memory, then the host. Never raises for a missing driver.
+
+    Without GPUs at the first look, only host RAM is read again: no repeated driver probing, and no repeated
+    "no GPU" warning each time the web page refreshes its device labels.
+    """
+    return _probe() if _live_gpu_ids() else inventory(CPU)
+
+
+def device_choices(include_fsdp: bool = True, devices: list[Device] | None = None) -> list[str]:
+    """Combo values: "auto", "cpu", "cuda:0", ... in ordinal order, then "fsdp" (also offered without GPUs:
+    it then runs gloo ranks on the CPU). ``devices`` replaces the live machine (tests, simulated specs)."""
+    ids = _live_gpu_ids() if devices is None else tuple(d.id for d in gpus(devices))
+    return [AUTO, CPU, *ids, *([FSDP] if include_fsdp else [])]
+
+
+def describe(device: Device) -> str:
+    """ "cuda:0 NVIDIA RTX 4090, 22.1 GiB free of 24 GiB": what a label and an error message show."""
+    return f"{device.id} {device.name}, {format_bytes(device.free_bytes)} free of {format_bytes(device.total_bytes)}"
+
+
+def choice_labels(include_fsdp: bool = True, devices: list[Device] | None = None) -> dict[str, str]:
+    """Combo value -> label for the web extension; values stay as ``device_choices`` gives them."""
+    devices = live_devices() if devices is None else devices
+    by_id = {d.id: d for d in devices}
+    gpu_list = gpus(devices)
+    labels = {AUTO: "auto (follows the plan)"}
+    for value in device_choices(include_fsdp, devices):
+        if value in by_id:
+            labels[value] = describe(by_id[value])
+    if include_fsdp:
+        labels[FSDP] = (f"fsdp (shard over {len(gpu_list)} GPUs)" if gpu_list
+                        else f"fsdp ({CPU_FSDP_RANKS} CPU ranks, slow: no GPU)")
+    labels.setdefault(CPU, "cpu")
+    return labels
+
+
+# --- resolving a choice -------------------------------------------------------------------------------------------
+
+def _machine(devices: list[Device]) -> str:
+    return "; ".join(describe(d) for d in devices) or "no devices"
+
+
+def _node(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    return NODE_OF_ROLE[role]
+
+
+def _check_exists(role: str, wanted: list[str], devices: list[Device], choices: list[str], why: str) -> None:
+    known = {d.id for d in devices} | {CPU}
+    missing = [w for w in wanted if w not in known]
+    if missing:
+        names = list(dict.fromkeys(missing))
+        what = f"device {names[0]} does not" if len(names) == 1 else f"devices {', '.join(names)} do not"
+        raise MgpuError(f"{_node(role)}: {what} exist{why}; "
+                        f"this machine has {_machine(devices)}; pick one of {', '.join(choices)}")
+
+
+def _recast(dtype: str | None) -> str | None:
+    return dtype if dtype in RECAST_DTYPES else None
+
+
+def _fsdp(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
+    placed = plan.placement("dit") if plan is not None else None
+    if placed is not None and placed.strategy == "fsdp":
+        _check_exists(role, placed.devices, devices, choices, " (the MGPU Plan shards the DiT over it)")
+        return Choice("fsdp", list(placed.devices), _recast(placed.weight_dtype),
+                      f"fsdp over the plan's {len(placed.devices)} GPUs: {', '.join(placed.devices)}")
+    dtype = _recast(placed.weight_dtype) if placed is not None else None
+    gpu_ids = [d.id for d in gpus(devices)]
+    if gpu_ids:
+        return Choice("fsdp", gpu_ids, dtype, f"fsdp over all {len(gpu_ids)} GPUs: {', '.join(gpu_ids)}")
+    return Choice("fsdp", [CPU] * CPU_FSDP_RANKS, dtype,
+                  f"no GPU: fsdp over {CPU_FSDP_RANKS} CPU ranks (gloo; correct but slow)")
+
+
+def _auto(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
+    placed = plan.placement(role) if plan is not None else None
+    if placed is not None:
+        _check_exists(role, placed.devices, devices, choices,
+                      f" (the MGPU Plan places the {_LABEL_OF_ROLE[role]} there: make the plan with devices "
+                      f"'auto' for this machine, or pick a device on this node)")
+        return Choice(placed.strategy, list(placed.devices), _recast(placed.weight_dtype),
+                      f"auto: following the plan ({placed.strategy} on {', '.join(placed.devices)})")
+    gpu_list = gpus(devices)
+    if gpu_list:
+        best = max(gpu_list, key=lambda d: (d.free_bytes, -d.index))
+        return Choice("single", [best.id], None, f"auto: {best.id} has the most free memory "
+                                                 f"({format_bytes(best.free_bytes)})")
+    return Choice("cpu", [CPU], None, "auto: no GPU, so the cpu")
+
+
+def resolve(choice: str, role: str, plan=None, devices: list[Device] | None = None) -> Choice:
+    """Turn a combo value into what the loader for ``role`` ("dit" | "text_encoder" | "vae") does.
+
+    explicit "cuda:N" -> single on it; "cpu" -> cpu; "fsdp" (DiT only) -> the plan's FSDP group, else every
+    GPU, else CPU ranks; "auto" -> the plan's placement for the role, else the GPU with most free memory, else
+    cpu. ``plan`` is an ``mgpu.partition.Plan`` or None; ``devices`` replaces the live machine (tests).
+    Raises MgpuError naming the node, the device and the choices when a device does not exist here.
+    """
+    node = _node(role)
+    devices = live_devices() if devices is None else devices
+    choices = device_choices(role == "dit", devices)
+    if choice == AUTO:
+        return _auto(role, plan, devices, choices)
+    if choice == FSDP:
+        if role != "dit":
+            raise MgpuError(f"{node}: fsdp shards only the diffusion model; pick one of {', '.join(choices)}")
+        return _fsdp(role, plan, devices, choices)
+    if choice == CPU:
+        return Choice("cpu", [CPU], None, "cpu, as chosen")
+    if isinstance(choice, str) and choice.startswith("cuda:"):
+        _check_exists(role, [choice], devices, choices, "")
+        return Choice("single", [choice], None, f"{choice}, as chosen")
+    raise MgpuError(f"{node}: {choice!r} is not a device choice; pick one of {', '.join(choices)}")
+
+
+def check(choice: str | None, role: str, devices: list[Device] | None = None) -> bool | str:
+    """For a node's ``validate_inputs``: True, or the message. Only the choice itself is checked here; what
+    "auto" follows, and a choice coming through a link (None here), are known once the node runs."""
+    if choice == AUTO or choice is None:
+        return True
+    try:
+        resolve(choice, role, None, devices)
+    except MgpuError as exc:
+        return str(exc)
+    return True

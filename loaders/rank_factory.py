@@ -1,0 +1,138 @@
+"""Rank side of an FSDP diffusion model: ComfyUI's own network, found by ComfyUI's own detection.
+
+The ranks import this module as top-level ``loaders.rank_factory`` (the pool puts the ComfyUI checkout and the pack
+root on their path); the host imports it as part of the pack for ``detect`` and ``agree_dtype``. ComfyUI is only
+imported inside functions: on a rank its command-line flags must be set first, because ``comfy.model_management``
+reads them (and probes the device) at import.
+
+Per (re)load the host calls ``prepare`` on every rank, then ``mgpu.model_ops:load`` with ``diffusion_model`` as the
+factory. ``prepare`` does the ComfyUI imports outside the meta-device build, and reports the dtypes this rank's
+device would compute in, so the host can pick one dtype for all ranks (FSDP shards one storage dtype, and the host
+casts the inputs once).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mgpu.errors import MgpuError, ShardingError
+from mgpu.sizing import read_header
+from mgpu.slice_load import SAFETENSORS_DTYPES
+
+# Flags of the host's ComfyUI that change how the network computes; the ranks get the same values.
+NUMERIC_FLAGS = ("force_fp32", "force_fp16", "fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet",
+                 "fp8_e5m2_unet", "fp8_e8m0fnu_unet", "use_split_cross_attention", "use_quad_cross_attention",
+                 "use_pytorch_cross_attention", "use_sage_attention", "use_flash_attention", "disable_xformers",
+                 "force_upcast_attention", "dont_upcast_attention", "deterministic")
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """"bfloat16" for torch.bfloat16: dtypes travel to and from the ranks as plain strings."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def numeric_flags(args: object) -> dict[str, bool]:
+    """The NUMERIC_FLAGS of a ComfyUI ``comfy.cli_args.args`` that this ComfyUI version has."""
+    return {k: getattr(args, k) for k in NUMERIC_FLAGS if isinstance(getattr(args, k, None), bool)}
+
+
+def _setup(device: str, flags: dict[str, bool]) -> torch.device:
+    """Give ComfyUI on this rank the host's numeric flags and this rank's device, then import it."""
+    import comfy.cli_args
+
+    for key, value in flags.items():
+        setattr(comfy.cli_args.args, key, value)
+    comfy.cli_args.args.cpu = torch.device(device).type == "cpu"
+    import comfy.model_management  # reads the flags above at import
+
+    return torch.device(device)
+
+
+def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint as meta tensors of the right shapes and dtypes, from its header: all ComfyUI's detection reads."""
+    header = read_header(path)
+    return {name: torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype], device="meta")
+            for name, info in header.tensors.items()}
+
+
+def detect(path: str):
+    """(ComfyUI model config, prefix-stripped meta state dict, key prefix) of a diffusion checkpoint.
+
+    The first half of ``comfy.sd.load_diffusion_model_state_dict``, on meta tensors: the host and every rank build
+    exactly the model ComfyUI would, without reading weights.
+    """
+    import comfy.model_detection
+    import comfy.utils
+
+    sd = meta_state_dict(path)
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
+    stripped = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
+    if stripped:
+        sd = stripped
+    else:
+        prefix = ""
+    model_config = comfy.model_detection.model_config_from_unet(sd, "")
+    if model_config is None:
+        raise ShardingError(f"{path}: ComfyUI does not recognise this diffusion model from its keys, so it cannot be "
+                            "sharded (diffusers-format files are converted only by ComfyUI's single-device loader); "
+                            "load it on one device, or use a ComfyUI-format file")
+    if model_config.scaled_fp8 is not None:
+        raise ShardingError(f"{path} is a scaled-fp8 checkpoint, which FSDP does not load yet: use the bf16/fp16 file "
+                            "with weight_dtype fp8_e4m3fn, or load this one on one device")
+    return model_config, sd, prefix
+
+
+def prepare(ctx, payload: dict, tensors: dict) -> dict:
+    """Rank op: set ComfyUI up for this rank's device and report the dtypes it would use here.
+
+    ``preferred``: what ComfyUI's UNETLoader would pick on this device for this rank's share of the weights;
+    ``manual_cast``: the compute dtype for each candidate storage dtype (None: computes in the storage dtype).
+    """
+    device = _setup(ctx.device, payload["flags"])
+    import comfy.model_management as mm
+    import comfy.utils
+
+    model_config, sd, _ = detect(payload["checkpoint"])
+    supported = list(model_config.supported_inference_dtypes)
+    forced = payload.get("unet_dtype")
+    if forced is not None:
+        preferred = getattr(torch, forced)
+    else:
+        preferred = mm.unet_dtype(device=device, model_params=comfy.utils.calculate_parameters(sd) // ctx.world_size,
+                                  supported_dtypes=supported, weight_dtype=comfy.utils.weight_dtype(sd))
+    candidates = [preferred] if forced is not None else list(dict.fromkeys([preferred, *supported]))
+    return {"preferred": dtype_name(preferred),
+            "manual_cast": {dtype_name(d): dtype_name(mm.unet_manual_cast(d, device, supported)) for d in candidates}}
+
+
+def agree_dtype(replies: list[dict], devices: list[str]) -> tuple[str, str | None]:
+    """One (storage dtype, compute dtype or None) for all ranks, from their ``prepare`` replies.
+
+    The ranks' common preference if they share one, else the first storage dtype (ComfyUI's order for the model)
+    that every rank computes the same way: e.g. a bf16 GPU and an fp16-only GPU agree on fp16.
+    """
+    preferred = {r["preferred"] for r in replies}
+    order = ([*preferred] if len(preferred) == 1 else []) + list(replies[0]["manual_cast"])
+    for dtype in dict.fromkeys(order):
+        casts = {r["manual_cast"].get(dtype, "?") for r in replies}
+        if len(casts) == 1 and "?" not in casts:
+            return dtype, casts.pop()
+    seen = "; ".join(f"{dev}: {r['preferred']} (computes {r['manual_cast'].get(r['preferred']) or 'as stored'})"
+                     for dev, r in zip(devices, replies))
+    raise MgpuError(f"the FSDP ranks cannot compute the model in one dtype ({seen}); pick weight_dtype fp16 or fp32 "
+                    "on MGPU Load Diffusion Model, or shard over GPUs of the same kind")
+
+
+def diffusion_model(checkpoint: str, unet_dtype: str, devices: list[str], flags: dict[str, bool]) -> nn.Module:
+    """FSDP factory (``ModelSpec.factory``, run under ``mgpu.fsdp.build_meta``): ComfyUI's network for the
+    checkpoint, stored in ``unet_dtype``, with the operations ComfyUI picks for this rank's device."""
+    import torch.distributed as dist
+
+    device = _setup(devices[dist.get_rank()], flags)
+    import comfy.model_management as mm
+
+    model_config, sd, _ = detect(checkpoint)
+    dtype = getattr(torch, unet_dtype)
+    model_config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, device, model_config.supported_inference_dtypes))
+    return model_config.get_model(sd, "").diffusion_model

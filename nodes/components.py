@@ -1,0 +1,76 @@
+"""MGPU Load Text Encoder / MGPU Load VAE: ComfyUI's CLIP and VAE, on a device you pick or the plan picks."""
+
+from __future__ import annotations
+
+import folder_paths
+from comfy_api.latest import io
+
+from ..loaders import components, placement
+from ..loaders.model_files import FOLDERS, NONE
+from .plan import PlanType
+
+_DEVICE_TIP = ("auto: where the connected MGPU Plan puts it, else the GPU with most free memory, else the cpu. "
+               "The web page labels each device with its free memory.")
+
+
+def _device_input() -> io.Combo.Input:
+    return io.Combo.Input("device", options=placement.device_choices(include_fsdp=False), default=placement.AUTO,
+                          tooltip=_DEVICE_TIP)
+
+
+class MgpuLoadTextEncoder(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        names = folder_paths.get_filename_list(FOLDERS["text_encoder"])
+        return io.Schema(
+            node_id="MgpuLoadTextEncoder",
+            display_name="MGPU Load Text Encoder",
+            category="MGPU",
+            description="ComfyUI's text encoder loader with a device: put the encoder on another GPU than the "
+                        "diffusion model, or on the cpu.",
+            inputs=[
+                io.Combo.Input("clip_name", options=names),
+                io.Combo.Input("type", options=components.clip_types(), default="wan",
+                               tooltip="the model family, as in ComfyUI's Load CLIP (wan: umt5 xxl, ltxv: t5 xxl)"),
+                _device_input(),
+                io.Combo.Input("clip_name2", options=[NONE, *names], default=NONE,
+                               tooltip="second file for dual encoders (e.g. hunyuan_video, flux)"),
+                PlanType.Input("plan", optional=True),
+            ],
+            outputs=[io.Clip.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, device: str) -> bool | str:
+        """Our message (which devices exist here) instead of ComfyUI's "Value not in list"."""
+        return placement.check(device, "text_encoder")
+
+    @classmethod
+    def execute(cls, clip_name: str, type: str, device: str, clip_name2: str = NONE, plan=None) -> io.NodeOutput:
+        names = [clip_name] + ([] if clip_name2 == NONE else [clip_name2])
+        return io.NodeOutput(components.load_text_encoder(names, type, device, plan))
+
+
+class MgpuLoadVAE(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="MgpuLoadVAE",
+            display_name="MGPU Load VAE",
+            category="MGPU",
+            description="ComfyUI's VAE loader with a device: decode on a GPU the diffusion model leaves free.",
+            inputs=[
+                io.Combo.Input("vae_name", options=folder_paths.get_filename_list(FOLDERS["vae"])),
+                _device_input(),
+                PlanType.Input("plan", optional=True),
+            ],
+            outputs=[io.Vae.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, device: str) -> bool | str:
+        return placement.check(device, "vae")
+
+    @classmethod
+    def execute(cls, vae_name: str, device: str, plan=None) -> io.NodeOutput:
+        return io.NodeOutput(components.load_vae(vae_name, device, plan))

@@ -1,0 +1,45 @@
+"""MGPU Load Diffusion Model: ComfyUI's MODEL on a device you pick, or sharded with FSDP over several."""
+
+from __future__ import annotations
+
+import folder_paths
+from comfy_api.latest import io
+
+from ..loaders import diffusion, placement
+from .plan import PlanType
+
+
+class MgpuLoadDiffusionModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="MgpuLoadDiffusionModel",
+            display_name="MGPU Load Diffusion Model",
+            category="MGPU",
+            description="ComfyUI's diffusion model loader with a device. fsdp shards the model over several GPUs "
+                        "(rank processes hold the weights, this process none); the MODEL works with any sampler.",
+            inputs=[
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models")),
+                io.Combo.Input("weight_dtype", options=list(diffusion.WEIGHT_DTYPES), default="default",
+                               tooltip="default: what ComfyUI picks for the device (or the plan's fp8). fp8 halves "
+                                       "the weights and, under fsdp, what the ranks exchange"),
+                io.Combo.Input("device", options=placement.device_choices(), default=placement.AUTO,
+                               tooltip="auto: where the connected MGPU Plan puts it, else the GPU with most free "
+                                       "memory. fsdp: shard over the plan's GPUs, else all of them"),
+                io.Int.Input("fsdp_ranks", default=0, min=0, max=64,
+                             tooltip="fsdp only: 0 = the planned GPUs (all without a plan); N = the first N. "
+                                     "Without a GPU, N CPU ranks (slow; for trying workflows)"),
+                PlanType.Input("plan", optional=True),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, unet_name: str, device: str) -> bool:
+        """Checked when the node runs instead: a file or GPU missing here is a node error that names it and lists
+        what there is, not ComfyUI's bare "Value not in list"."""
+        return True
+
+    @classmethod
+    def execute(cls, unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None) -> io.NodeOutput:
+        return io.NodeOutput(diffusion.load(unet_name, weight_dtype, device, fsdp_ranks, plan))

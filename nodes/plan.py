@@ -1,0 +1,89 @@
+"""MGPU Plan: where the text encoder, DiT and VAE will live, decided from safetensors headers before loading."""
+
+from __future__ import annotations
+
+import folder_paths
+from comfy_api.latest import io
+
+from mgpu.errors import PlanError, SizingError
+
+from ..loaders import model_files as mf
+
+# The plan travels in-process between nodes; loaders with device "auto" follow it.
+PlanType = io.Custom("MGPU_PLAN")
+
+
+def _with_none(folder: str) -> list[str]:
+    return [mf.NONE, *folder_paths.get_filename_list(folder)]
+
+
+def _int(name: str, step: int, tooltip: str) -> io.Int.Input:
+    low, high, default = mf.INT_LIMITS[name]
+    return io.Int.Input(name, default=default, min=low, max=high, step=step, tooltip=tooltip)
+
+
+class MgpuPlan(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="MgpuPlan",
+            display_name="MGPU Plan",
+            category="MGPU",
+            description="Decides, from the model files' headers (no weights loaded), which device holds the text "
+                        "encoder, the DiT (one GPU, sharded with FSDP, or offloaded) and the VAE for this video "
+                        "size, and shows each device's peak memory and headroom. Loaders set to auto follow it.",
+            is_output_node=True,
+            inputs=[
+                io.Combo.Input("dit", options=folder_paths.get_filename_list(mf.FOLDERS["dit"]),
+                               tooltip="diffusion model (models/diffusion_models)"),
+                io.Combo.Input("text_encoder", options=_with_none(mf.FOLDERS["text_encoder"]), default=mf.NONE),
+                io.Combo.Input("vae", options=_with_none(mf.FOLDERS["vae"]), default=mf.NONE),
+                _int("width", 16, "output width in pixels"),
+                _int("height", 16, "output height in pixels"),
+                _int("frames", 1, "video length in frames (1 for an image)"),
+                _int("batch", 1, "videos per prompt"),
+                io.Boolean.Input("cfg", default=True,
+                                 tooltip="CFG > 1 runs cond and uncond each step (twice the DiT batch)"),
+                io.Combo.Input("dit_weight_dtype", options=list(mf.DIT_DTYPES), default="default",
+                               tooltip="the weight dtype the DiT loader will use; fp8 halves the DiT's weights"),
+                io.String.Input("devices", default=mf.AUTO_DEVICES,
+                                tooltip="auto: this machine's GPUs and RAM. Or simulate others: 2x24GiB, "
+                                        "cuda:0=80GiB,cuda:1=24GiB, 4x16GiB:pcie, 2x24GiB,cpu=64GiB"),
+                io.Boolean.Input("allow_offload", default=False,
+                                 tooltip="if nothing else fits, stream DiT weights from host RAM (slow)"),
+                io.Boolean.Input("prefer_speed", default=False,
+                                 tooltip="shard over all GPUs even when fewer would fit"),
+            ],
+            outputs=[PlanType.Output(display_name="plan")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, devices: str | None) -> bool | str:
+        """A device spec typo is reported when the prompt is queued, not after the graph starts (a linked value
+        is None here and is checked when the node runs)."""
+        if devices is None:
+            return True
+        try:
+            mf.check_devices(devices)
+        except mf.BadRequest as exc:
+            return f"MGPU Plan: {exc}"
+        return True
+
+    @classmethod
+    def execute(cls, dit: str, text_encoder: str, vae: str, width: int, height: int, frames: int, batch: int,
+                cfg: bool, dit_weight_dtype: str, devices: str, allow_offload: bool,
+                prefer_speed: bool) -> io.NodeOutput:
+        request = mf.PlanRequest(
+            dit=dit, text_encoder=None if text_encoder == mf.NONE else text_encoder,
+            vae=None if vae == mf.NONE else vae, width=width, height=height, frames=frames, batch=batch, cfg=cfg,
+            dit_dtype=dit_weight_dtype, devices=mf.check_devices(devices), allow_offload=allow_offload,
+            prefer_speed=prefer_speed)
+        try:
+            plan = mf.make_plan_for(request, folder_paths.get_full_path)
+        except PlanError as exc:
+            raise PlanError(f"MGPU Plan: no placement fits.\n{exc}", needs=exc.needs) from None
+        except SizingError as exc:
+            raise SizingError(f"MGPU Plan: {exc}") from None
+        # The web extension shows "text" in the node and draws "mgpu_chart"; "mgpu_plan" is the whole plan.
+        return io.NodeOutput(plan, ui={"text": [plan.table()], "mgpu_plan": [plan.to_dict()],
+                                       "mgpu_chart": [mf.chart(plan)]})

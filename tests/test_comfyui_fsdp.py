@@ -1,0 +1,338 @@
+"""MGPU Load Diffusion Model (fsdp) + MGPU FSDP Sampler inside a real ComfyUI, on CPU ranks.
+
+Needs a ComfyUI checkout (COMFYUI_PATH, or this pack inside ComfyUI/custom_nodes/<name>); skips otherwise.
+Run locally:  COMFYUI_PATH=/path/to/ComfyUI python -m pytest tests/test_comfyui_fsdp.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from comfy_checkpoints import (
+    LTXVDiTConfig,
+    WanDiTConfig,
+    write_tiny_ltxv,
+    write_tiny_wan21_t2v,
+)
+from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui, start_server
+from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.comfyui
+
+WAN = "mgpu_fsdp_wan.safetensors"
+LTXV = "mgpu_fsdp_ltxv.safetensors"
+# Wan with 2 heads and 3 blocks (odd: the ranks' shards differ); LTXV with the "model.diffusion_model." prefix.
+FAMILIES = {"wan": (WAN, "EmptyHunyuanLatentVideo", 5), "ltxv": (LTXV, "EmptyLTXVLatentVideo", 9)}
+STEPS = 3
+TOLERANCE = 1e-4   # fp32 on CPU: the ranks compute one row each, the stock model both rows at once
+
+
+@pytest.fixture(scope="module")
+def server(comfyui_server: ComfyServer) -> ComfyServer:
+    write_tiny_wan21_t2v(comfyui_server.diffusion_models / WAN, WanDiTConfig(dim=256, ffn_dim=512, num_layers=3))
+    write_tiny_ltxv(comfyui_server.diffusion_models / LTXV, LTXVDiTConfig(num_layers=3))
+    return comfyui_server
+
+
+# ------------------------------------------------------------------------------------------------ prompt building
+
+def _fsdp_loader(unet: str, device: str = "fsdp", ranks: int = 2) -> dict:
+    return {"class_type": "MgpuLoadDiffusionModel",
+            "inputs": {"unet_name": unet, "weight_dtype": "default", "device": device, "fsdp_ranks": ranks}}
+
+
+def _conditioning(seed: int, tokens: int = 8) -> dict:
+    return {"class_type": "MgpuTestConditioning",
+            "inputs": {"width": 4096, "tokens": tokens, "seed": seed, "scale": 1.0}}
+
+
+def _sampler(class_type: str, model: str, negative: str, seed: int, steps: int) -> dict:
+    inputs = {"model": [model, 0], "positive": ["pos", 0], "negative": [negative, 0], "latent_image": ["latent", 0],
+              "seed": seed, "steps": steps, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}
+    if class_type == "MgpuFSDPSampler":
+        inputs["timeout_s"] = 120.0
+    return {"class_type": class_type, "inputs": inputs}
+
+
+def _save(sampler: str) -> dict:
+    return {"class_type": "SaveLatent", "inputs": {"samples": [sampler, 0], "filename_prefix": f"fsdp/{sampler}"}}
+
+
+def _base(family: str, seed: int, size: int = 64) -> dict[str, Any]:
+    unet, latent_node, frames = FAMILIES[family]
+    return {
+        "stock_unet": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+        "fsdp_unet": _fsdp_loader(unet),
+        "pos": _conditioning(seed),
+        "neg": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["pos", 0]}},
+        "latent": {"class_type": latent_node,
+                   "inputs": {"width": size, "height": size, "length": frames, "batch_size": 1}},
+    }
+
+
+def comparison_prompt(family: str, seed: int) -> dict[str, Any]:
+    """Stock and sharded side by side. ``neg`` batches cond and uncond (batch 2: one row per rank); ``neg_long`` has
+    41 tokens against 8, which ComfyUI will not pad into one batch, so each step calls the network twice with
+    batch 1 (one rank computes, the other runs a dropped row to keep FSDP's all-gathers going)."""
+    prompt = _base(family, seed)
+    prompt.update({
+        "cpu_unet": _fsdp_loader(FAMILIES[family][0], device="cpu"),
+        "neg_long": _conditioning(seed + 1, tokens=41),
+        "stock": _sampler("KSampler", "stock_unet", "neg", seed, STEPS),
+        "fsdp": _sampler("MgpuFSDPSampler", "fsdp_unet", "neg", seed, STEPS),
+        "fsdp_ksampler": _sampler("KSampler", "fsdp_unet", "neg", seed, STEPS),
+        "single_cpu": _sampler("KSampler", "cpu_unet", "neg", seed, STEPS),
+        "stock_split": _sampler("KSampler", "stock_unet", "neg_long", seed, STEPS),
+        "fsdp_split": _sampler("MgpuFSDPSampler", "fsdp_unet", "neg_long", seed, STEPS),
+    })
+    for name in ("stock", "fsdp", "fsdp_ksampler", "single_cpu", "stock_split", "fsdp_split"):
+        prompt[f"save_{name}"] = _save(name)
+    return prompt
+
+
+def sharded_prompt(steps: int, seed: int = 7, size: int = 64, with_stock: bool = False, **loader: Any) -> dict:
+    """Sharded Wan + MGPU FSDP Sampler (+ the stock pair to compare with)."""
+    prompt = _base("wan", seed, size)
+    del prompt["stock_unet"]
+    prompt["fsdp_unet"] = _fsdp_loader(WAN, **loader)
+    prompt.update({"fsdp": _sampler("MgpuFSDPSampler", "fsdp_unet", "neg", seed, steps), "save_fsdp": _save("fsdp")})
+    if with_stock:
+        prompt["stock_unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN, "weight_dtype": "default"}}
+        prompt.update({"stock": _sampler("KSampler", "stock_unet", "neg", seed, steps), "save_stock": _save("stock")})
+    return prompt
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def run(server: ComfyServer, prompt: dict, ok: bool = True, timeout: float = 300) -> dict:
+    entry = server.wait(server.post_prompt(prompt), timeout=timeout)
+    if ok:
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[-6000:]
+    return entry
+
+
+def latents(server: ComfyServer, entry: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for node, result in entry["outputs"].items():
+        for item in result.get("latents", []):
+            path = server.output_dir / item["subfolder"] / item["filename"]
+            out[node.removeprefix("save_")] = load_file(str(path))["latent_tensor"]
+    return out
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+def ranks_of(server: ComfyServer) -> list[psutil.Process]:
+    """The rank worker processes started by the server (``python -m mgpu.rank``)."""
+    try:
+        children = psutil.Process(server.process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for p in children:
+        try:
+            if "mgpu.rank" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def rank_number(p: psutil.Process) -> int:
+    argv = p.cmdline()
+    return int(argv[argv.index("--rank") + 1])
+
+
+def error_of(entry: dict) -> dict:
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    errors = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert errors, entry["status"]["messages"]
+    return errors[0]
+
+
+def progress_of(server: ComfyServer, prompt_id: str, node: str) -> list[tuple[int, int]]:
+    return [(m["data"]["value"], m["data"]["max"]) for m in server.ws_messages(prompt_id)
+            if m["type"] == "progress" and m["data"]["node"] == node]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("family", ["wan", "ltxv"])
+def test_sharded_model_matches_stock_in_every_sampler(server: ComfyServer, family: str) -> None:
+    """(a) MGPU FSDP Sampler over 2 CPU ranks == stock UNETLoader + KSampler; (b) so does stock KSampler given the
+    sharded MODEL; with cond/uncond batched and split. The single-device path (device cpu) is ComfyUI's own load."""
+    prompt_id = server.post_prompt(comparison_prompt(family, seed=3))
+    entry = server.wait(prompt_id, timeout=300)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[-6000:]
+    lat = latents(server, entry)
+    stock = lat["stock"]
+    assert torch.isfinite(stock).all() and stock.abs().max() > 0.1
+    assert max_diff(lat["fsdp"], stock) <= TOLERANCE
+    assert max_diff(lat["fsdp_ksampler"], stock) <= TOLERANCE
+    assert max_diff(lat["fsdp_split"], lat["stock_split"]) <= TOLERANCE
+    assert max_diff(lat["stock_split"], stock) > 10 * TOLERANCE   # the two negatives really differ
+    assert torch.equal(lat["single_cpu"], stock)
+    assert len(ranks_of(server)) == 2
+    assert f"{FAMILIES[family][0]} sharded over 2 ranks (cpu, cpu) loaded" in server.log()
+
+    # (c) one ComfyUI progress update per step, for the node that samples
+    server.wait_ws(prompt_id, "execution_success", timeout=30)
+    for node in ("fsdp", "fsdp_split"):
+        assert progress_of(server, prompt_id, node) == [(i, STEPS) for i in range(1, STEPS + 1)]
+
+
+def _pairs_prompt(models: dict[str, tuple[str, int]]) -> dict[str, Any]:
+    """Wan plus one KSampler + SaveLatent per entry ``name: (model node, steps)``."""
+    prompt = _base("wan", seed=5)
+    for name, (model, steps) in models.items():
+        prompt[name] = _sampler("KSampler", model, "neg", 5, steps)
+        prompt[f"save_{name}"] = _save(name)
+    return prompt
+
+
+def test_fp8_weights_match_stock(server: ComfyServer) -> None:
+    """fp8 storage on the ranks (CPU ranks all-gather it upcast, exactly: gloo has no float8) == UNETLoader fp8."""
+    prompt = _pairs_prompt({"stock": ("stock_unet", STEPS), "stock_fp8": ("stock_fp8_unet", STEPS),
+                            "fsdp_fp8": ("fsdp_fp8_unet", STEPS)})
+    prompt["stock_fp8_unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN, "weight_dtype": "fp8_e4m3fn"}}
+    prompt["fsdp_fp8_unet"] = _fsdp_loader(WAN)
+    prompt["fsdp_fp8_unet"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
+    lat = latents(server, run(server, prompt))
+    assert max_diff(lat["fsdp_fp8"], lat["stock_fp8"]) <= TOLERANCE
+    assert max_diff(lat["stock_fp8"], lat["stock"]) > 10 * TOLERANCE   # fp8 really changed the weights
+    assert "(float8_e4m3fn, compute float32)" in server.log()          # and the ranks really stored fp8
+
+
+PATCHES = {  # node, inputs besides the model; one prompt each (stock ComfyUI lets one clone's patch leak into another)
+    "model_sampling": ("ModelSamplingSD3", {"shift": 5.0}),
+    "easycache": ("EasyCache", {"reuse_threshold": 1.0, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}),
+}
+
+
+@pytest.mark.parametrize("patch", list(PATCHES))
+def test_other_nodes_patches_work_on_the_sharded_model(server: ComfyServer, patch: str) -> None:
+    """A model-sampling object patch (it applies to the host's BaseModel) and EasyCache (a DIFFUSION_MODEL wrapper:
+    it runs around the remote forward and skips steps) give stock's results."""
+    node, inputs = PATCHES[patch]
+    prompt = _pairs_prompt({"plain": ("stock_unet", 10), "stock": ("stock_patched", 10),
+                            "fsdp": ("fsdp_patched", 10)})
+    for unet in ("stock", "fsdp"):
+        prompt[f"{unet}_patched"] = {"class_type": node, "inputs": {"model": [f"{unet}_unet", 0], **inputs}}
+    log_start = len(server.log())
+    lat = latents(server, run(server, prompt))
+    assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
+    assert max_diff(lat["stock"], lat["plain"]) > 10 * TOLERANCE   # the patch did something
+    if patch == "easycache":   # the same steps skipped, sharded or not
+        skipped = re.findall(r"EasyCache - skipped (\d+)/10 steps", server.log()[log_start:])
+        assert len(skipped) == 2 and skipped[0] == skipped[1] != "0", skipped
+
+
+def test_a_lora_on_a_sharded_model_is_refused_not_ignored(server: ComfyServer) -> None:
+    """LoRA patches the weights, which live on the ranks: until that is supported, the sampler says so."""
+    rank = 4
+    lora = {f"diffusion_model.blocks.0.self_attn.q.{part}.weight": torch.randn(shape) * 0.1
+            for part, shape in (("lora_up", (256, rank)), ("lora_down", (rank, 256)))}
+    save_file(lora, str(server.models_dir / "loras" / "mgpu_fsdp_lora.safetensors"))
+    prompt = sharded_prompt(2)
+    prompt["lora"] = {"class_type": "LoraLoaderModelOnly",
+                      "inputs": {"model": ["fsdp_unet", 0], "lora_name": "mgpu_fsdp_lora.safetensors",
+                                 "strength_model": 1.0}}
+    prompt["fsdp"]["inputs"]["model"] = ["lora", 0]
+    error = error_of(run(server, prompt, ok=False))
+    assert error["node_id"] == "fsdp"
+    assert "carries weight patches (LoRA or a model merge)" in error["exception_message"]
+
+
+def test_interrupt_stops_within_a_step_and_keeps_the_pool(server: ComfyServer) -> None:
+    """(d) POST /interrupt mid-run ends the prompt at the next step; the same ranks then serve the next prompt."""
+    steps = 10_000
+    prompt_id = server.post_prompt(sharded_prompt(steps, size=128))
+    server.wait_ws(prompt_id, "progress", timeout=300)
+    pids = sorted(p.pid for p in ranks_of(server))
+    assert len(pids) == 2
+    seen = len(progress_of(server, prompt_id, "fsdp"))
+    server.interrupt()
+    entry = server.wait(prompt_id, timeout=120)
+    assert entry["status"]["status_str"] == "error"
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
+    # a step in flight finishes; its progress update raises instead of reporting (plus one already on the wire)
+    assert len(progress_of(server, prompt_id, "fsdp")) - seen <= 2
+
+    lat = latents(server, run(server, sharded_prompt(2, size=128, with_stock=True)))
+    assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
+    assert sorted(p.pid for p in ranks_of(server)) == pids
+
+
+@pytest.mark.parametrize(("loader", "expected"), [
+    ({"unet_name": "no_such_model.safetensors"}, ["'no_such_model.safetensors' is not in ComfyUI's diffusion_models"]),
+    ({"device": "cuda:7"}, ["cuda:7 does not exist", "pick one of auto, cpu, fsdp"]),
+])
+def test_bad_input_is_a_readable_node_error(server: ComfyServer, loader: dict, expected: list[str]) -> None:
+    """(e) a missing file or GPU fails the loader node with a message naming it; no rank is started for it."""
+    before = {p.pid for p in ranks_of(server)}
+    prompt = sharded_prompt(2)
+    prompt["fsdp_unet"]["inputs"].update(loader)
+    error = error_of(run(server, prompt, ok=False))
+    assert error["node_id"] == "fsdp_unet" and error["node_type"] == "MgpuLoadDiffusionModel"
+    for text in expected:
+        assert text in error["exception_message"]
+    assert {p.pid for p in ranks_of(server)} <= before
+
+
+def test_killed_rank_is_a_node_error_and_the_next_prompt_rebuilds(server: ComfyServer) -> None:
+    """(e) SIGKILL of a rank mid-run: a node error naming rank, device and cause; no rank left; the next prompt
+    restarts the pool and reloads the model, and the result is right."""
+    prompt_id = server.post_prompt(sharded_prompt(10_000, size=128))
+    server.wait_ws(prompt_id, "progress", timeout=300)
+    ranks = ranks_of(server)
+    victim = next(p for p in ranks if rank_number(p) == 1)
+    victim.send_signal(signal.SIGKILL)
+    error = error_of(server.wait(prompt_id, timeout=120))
+    message = error["exception_message"]
+    assert error["node_id"] == "fsdp" and error["node_type"] == "MgpuFSDPSampler"
+    assert f"rank 1 (cpu, pid {victim.pid}) was killed by SIGKILL" in message, message
+    assert "Queue the prompt again" in message
+    wait_until(lambda: not ranks_of(server), 15, "the surviving rank to be stopped")
+
+    lat = latents(server, run(server, sharded_prompt(2, size=128, with_stock=True)))
+    assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
+    assert not {p.pid for p in ranks_of(server)} & {p.pid for p in ranks}
+
+
+def test_ranks_exit_with_comfyui(tmp_path: Path) -> None:
+    """(f) ComfyUI killed on its own (SIGTERM to the main process only, no atexit): its ranks go with it."""
+    comfyui = find_comfyui()
+    if comfyui is None:
+        pytest.skip(SKIP_REASON)
+    own = start_server(comfyui, tmp_path)
+    try:
+        write_tiny_wan21_t2v(own.diffusion_models / WAN, WanDiTConfig(dim=256, ffn_dim=512, num_layers=3))
+        run(own, sharded_prompt(2))
+        ranks = ranks_of(own)
+        assert len(ranks) == 2
+        os.kill(own.process.pid, signal.SIGTERM)
+        own.process.wait(timeout=60)
+        _, alive = psutil.wait_procs(ranks, timeout=15)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        leftovers = own.stop()
+    assert not leftovers, leftovers

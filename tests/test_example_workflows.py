@@ -1,0 +1,255 @@
+"""The example workflows: UI files the frontend loads, their API twins, and a run of each twin on tiny checkpoints.
+
+Unit tier (no ComfyUI): each UI workflow and its API twin describe the same graph (nodes, links, widget values).
+Live tier (real ComfyUI, CPU): every node type and input is valid against /object_info, and each twin RUNS on
+tiny checkpoints written under the file names the workflow uses. No text encoder can be tiny (ComfyUI always
+builds UMT5-XXL / T5-XXL full size), so for the run the text encoder loader is dropped and each CLIPTextEncode
+is replaced by the harness's MgpuTestConditioning (seeded 4096-wide embeddings), keeping the node ids and links;
+the plan's text encoder is "none" and sizes, frames and steps are shrunk. Everything else runs as written.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from comfy_checkpoints import (
+    LTXVDiTConfig,
+    ltxv_dit_shapes,
+    random_state_dict,
+    write_tiny_wan21_t2v,
+    write_wan21_vae,
+)
+from comfyui_env import ComfyServer, find_comfyui
+from safetensors.torch import load_file, save_file
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "example_workflows"
+NAMES = ("wan21_t2v_multi_gpu", "ltxv_t2v_multi_gpu")
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+# Combo inputs that name model files: the examples name the real files, which this test server lacks.
+FILE_INPUTS = {"dit", "text_encoder", "vae", "unet_name", "clip_name", "clip_name2", "vae_name"}
+
+
+def load(name: str) -> tuple[dict, dict]:
+    ui = json.loads((EXAMPLES / f"{name}.json").read_text())
+    api = json.loads((EXAMPLES / "api" / f"{name}.api.json").read_text())
+    return ui, api
+
+
+def by_id(ui: dict) -> dict[str, dict]:
+    return {str(n["id"]): n for n in ui["nodes"]}
+
+
+# --- unit tier: the UI file and its twin agree ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_file_has_the_shape_the_frontend_loads(name):
+    ui, _ = load(name)
+    assert ui["version"] == 0.4 and isinstance(ui["id"], str)
+    ids = [n["id"] for n in ui["nodes"]]
+    assert len(set(ids)) == len(ids) and ui["last_node_id"] == max(ids)
+    assert ui["last_link_id"] == max(link[0] for link in ui["links"])
+    for n in ui["nodes"]:
+        assert {"id", "type", "pos", "size", "mode", "properties"} <= set(n), n["type"]
+        assert n["mode"] == 0, f"{n['type']} is muted or bypassed"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_links_match_the_api_twin(name):
+    ui, api = load(name)
+    nodes = by_id(ui)
+    assert {i for i, n in nodes.items() if n["type"] not in FRONTEND_ONLY} == set(api)
+    seen = set()
+    for link_id, src, src_slot, dst, dst_slot, typ in ui["links"]:
+        dst_node, src_node = nodes[str(dst)], nodes[str(src)]
+        target = dst_node["inputs"][dst_slot]
+        assert target["link"] == link_id and link_id in src_node["outputs"][src_slot]["links"]
+        assert src_node["outputs"][src_slot]["type"] == typ == target["type"] or typ == "*"
+        assert api[str(dst)]["inputs"][target["name"]] == [str(src), src_slot], (name, target["name"])
+        seen.add((str(dst), target["name"]))
+    api_links = {(i, k) for i, n in api.items() for k, v in n["inputs"].items() if isinstance(v, list)}
+    assert api_links == seen
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_widget_values_match_the_api_twin(name):
+    ui, api = load(name)
+    for node_id, n in by_id(ui).items():
+        if n["type"] in FRONTEND_ONLY:
+            continue
+        widget_inputs = [i["name"] for i in n.get("inputs", []) if "widget" in i]
+        values = list(n.get("widgets_values", []))
+        if "seed" in widget_inputs:  # the frontend stores control_after_generate right after the seed
+            values.pop(widget_inputs.index("seed") + 1)
+        assert dict(zip(widget_inputs, values)) == {k: v for k, v in api[node_id]["inputs"].items()
+                                                    if not isinstance(v, list)}, n["type"]
+
+
+def test_the_wan_example_is_the_multi_gpu_text_to_video():
+    _, api = load("wan21_t2v_multi_gpu")
+    types = [n["class_type"] for n in api.values()]
+    for t in ("MgpuPlan", "MgpuLoadDiffusionModel", "MgpuLoadTextEncoder", "MgpuLoadVAE", "CLIPTextEncode",
+              "MgpuFSDPSampler", "VAEDecode", "SaveVideo"):
+        assert t in types
+    plan_id = next(i for i, n in api.items() if n["class_type"] == "MgpuPlan")
+    loaders = [n for n in api.values() if n["class_type"].startswith("MgpuLoad")]
+    assert all(n["inputs"]["plan"] == [plan_id, 0] and n["inputs"]["device"] == "auto" for n in loaders)
+
+
+# --- live tier ----------------------------------------------------------------------------------------------------
+
+def _input_spec(info: dict, node_type: str, name: str) -> tuple[Any, dict]:
+    spec = info[node_type]["input"]
+    entry = spec.get("required", {}).get(name) or spec.get("optional", {}).get(name)
+    assert entry is not None, f"{node_type} has no input {name!r}"
+    return entry[0], (entry[1] if len(entry) > 1 else {})
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", NAMES)
+def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfyServer, name):
+    info = comfyui_server.object_info()
+    ui, api = load(name)
+    assert {n["type"] for n in ui["nodes"]} - FRONTEND_ONLY <= set(info)
+    for node_id, node in api.items():
+        kind = node["class_type"]
+        required = set(info[kind]["input"].get("required", {}))
+        assert required <= set(node["inputs"]), (kind, required - set(node["inputs"]))
+        for key, value in node["inputs"].items():
+            typ, opts = _input_spec(info, kind, key)
+            if isinstance(value, list):  # a link: the source's output type must be what this input takes
+                src = api[value[0]]["class_type"]
+                assert info[src]["output"][value[1]] == typ, (kind, key, src)
+            elif typ == "COMBO" or isinstance(typ, list):
+                options = opts.get("options", typ if isinstance(typ, list) else [])
+                if key in FILE_INPUTS:
+                    assert value == "none" or value.endswith(".safetensors"), (kind, key, value)
+                else:
+                    assert value in options, (kind, key, value)
+            elif typ in ("INT", "FLOAT"):
+                assert isinstance(value, (int, float)) and not isinstance(value, bool), (kind, key)
+                assert opts.get("min", value) <= value <= opts.get("max", value), (kind, key, value)
+            elif typ == "BOOLEAN":
+                assert isinstance(value, bool), (kind, key)
+            else:
+                assert typ == "STRING" and isinstance(value, str), (kind, key, typ)
+
+
+def _for_the_run(api: dict, width: int, height: int, frames: int) -> dict:
+    """The twin with test conditioning instead of the text encoder, and a tiny size (see the module docstring)."""
+    prompt = copy.deepcopy(api)
+    for node_id, node in list(prompt.items()):
+        kind, inputs = node["class_type"], node["inputs"]
+        if kind == "MgpuLoadTextEncoder":
+            del prompt[node_id]
+        elif kind == "CLIPTextEncode":
+            prompt[node_id] = {"class_type": "MgpuTestConditioning",
+                               "inputs": {"width": 4096, "tokens": 8, "seed": int(node_id), "scale": 1.0}}
+        elif kind == "MgpuPlan":
+            inputs.update(text_encoder="none", width=width, height=height, frames=frames)
+        elif kind.startswith("Empty") and "Latent" in kind:
+            inputs.update(width=width, height=height, length=frames)
+        elif kind == "MgpuFSDPSampler":
+            inputs.update(steps=2)
+    return prompt
+
+
+def model_files(api: dict) -> set[str]:
+    """The DiT and VAE files the twin names (the text encoder is not run)."""
+    return {v for n in api.values() for k, v in n["inputs"].items()
+            if k in ("dit", "unet_name", "vae", "vae_name") and isinstance(v, str) and v != "none"}
+
+
+def _video(server: ComfyServer, entry: dict) -> tuple[int, int, int]:
+    """(frames, width, height) of the video SaveVideo wrote."""
+    import av
+
+    (item,) = [i for out in entry["outputs"].values() for i in out.get("images", [])]
+    with av.open(str(server.output_dir / item["subfolder"] / item["filename"])) as container:
+        frames = [f for f in container.decode(video=0)]
+    return len(frames), frames[0].width, frames[0].height
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("dit_device", ["auto", "fsdp"])
+def test_wan_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer, dit_device: str):
+    """As written (auto: the plan for this CPU machine), and with the DiT forced to fsdp (two CPU ranks here)."""
+    server = comfyui_server
+    _, api = load("wan21_t2v_multi_gpu")
+    for node in api.values():
+        if node["class_type"] == "MgpuLoadDiffusionModel":
+            node["inputs"]["device"] = dit_device
+    assert model_files(api) == {"wan2.1_t2v_14B_bf16.safetensors", "wan_2.1_vae.safetensors"}
+    write_tiny_wan21_t2v(server.diffusion_models / "wan2.1_t2v_14B_bf16.safetensors")
+    if not (server.vae / "wan_2.1_vae.safetensors").exists():
+        write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
+    entry = server.wait(server.post_prompt(_for_the_run(api, 64, 64, 5)), timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    assert _video(server, entry) == (5, 64, 64)
+    plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
+    assert {p["role"] for p in plan["placements"]} == {"dit", "vae"}
+
+
+# A VAE config ComfyUI's LTX-Video VideoVAE builds small (it reads the config from the checkpoint's metadata):
+# 128 latent channels and 8x32x32 compression like the real one, one residual layer, channel multipliers of 1.
+TINY_LTXV_VAE = {
+    "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "patch_size": 4,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {}], ["compress_all", {}], ["compress_all", {}]],
+    "decoder_blocks": [["compress_all", {"residual": True, "multiplier": 1}]] * 3
+                      + [["res_x", {"num_layers": 1, "inject_noise": False}]],
+    "scaling_factor": 1.0, "norm_layer": "pixel_norm", "latent_log_var": "uniform", "use_quant_conv": False,
+    "causal_decoder": False, "timestep_conditioning": False,
+}
+
+
+def write_tiny_ltxv_checkpoint(path: Path) -> None:
+    """An all-in-one LTX-Video file as Lightricks ship it: DiT under model.diffusion_model., VAE under vae.,
+    the VAE config in the metadata. The VAE's tensors come from ComfyUI's own class (in a subprocess, since
+    importing comfy parses its command line), with unit statistics so decoding stays finite."""
+    comfyui = find_comfyui()
+    vae_file = path.with_suffix(".vae.tmp")
+    code = f"""
+import sys, json, torch
+sys.path.insert(0, {str(comfyui)!r})
+from comfy.cli_args import args
+args.cpu = True
+from safetensors.torch import save_file
+from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+torch.manual_seed(0)
+vae = VideoVAE(config=json.loads({json.dumps(json.dumps(TINY_LTXV_VAE))}))
+sd = {{k: v.contiguous() for k, v in vae.state_dict().items()}}
+for k in sd:
+    if k.startswith("per_channel_statistics."):
+        sd[k] = torch.zeros_like(sd[k]) if k.endswith("mean-of-means") else torch.ones_like(sd[k])
+save_file(sd, {str(vae_file)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=comfyui, check=True, capture_output=True, timeout=300)
+    vae = load_file(str(vae_file))
+    vae_file.unlink()
+    # A DiT larger than the VAE, as in real files (4 layers of 512 wide): ComfyUI and sizing pick the right parts.
+    dit = random_state_dict(ltxv_dit_shapes(LTXVDiTConfig(head_dim=16, num_layers=4)), seed=5)
+    tensors = {"model.diffusion_model." + k: v for k, v in dit.items()}
+    tensors.update({"vae." + k: v.to(dtype=dit["proj_out.weight"].dtype) for k, v in vae.items()})
+    save_file(tensors, str(path), metadata={"config": json.dumps({"vae": TINY_LTXV_VAE})})
+
+
+@pytest.mark.comfyui
+def test_ltxv_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfyServer):
+    server = comfyui_server
+    _, api = load("ltxv_t2v_multi_gpu")
+    (name,) = model_files(api)
+    dit_file, vae_link = server.diffusion_models / name, server.vae / name
+    if not dit_file.exists():
+        write_tiny_ltxv_checkpoint(dit_file)
+    if not vae_link.is_symlink():
+        vae_link.symlink_to(dit_file)  # as the workflow's note says: the same file in both folders
+    entry = server.wait(server.post_prompt(_for_the_run(api, 64, 64, 9)), timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    assert _video(server, entry) == (9, 64, 64)
+    plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
+    assert {p["role"]: p["family"] for p in plan["placements"]} == {"dit": "ltxv", "vae": "ltxv-vae"}

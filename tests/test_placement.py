@@ -1,0 +1,226 @@
+"""Device choices of the MGPU loaders and how a choice resolves, on simulated machines (no ComfyUI, no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+import ckpt_layouts as L
+from loaders import placement
+from loaders.placement import Choice, check, choice_labels, device_choices, resolve
+from mgpu.devices import parse_spec
+from mgpu.errors import MgpuError
+from mgpu.estimates import Workload
+from mgpu.partition import Component, Plan, Policy, make_plan
+from mgpu.sizing import size_component
+
+GiB = 1 << 30
+TWO = parse_spec("2x24GiB,cpu=64GiB")
+CPU_ONLY = parse_spec("cpu=64GiB")
+
+
+@pytest.fixture(scope="module")
+def wan14b(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wan14b")
+    return {
+        "dit": size_component(L.write_safetensors(d / "wan_14b.safetensors", L.wan21_t2v_14b(), sparse=True)),
+        "text_encoder": size_component(L.write_safetensors(d / "umt5.safetensors", L.umt5_xxl(), sparse=True)),
+        "vae": size_component(L.write_safetensors(d / "vae.safetensors", L.wan_vae(), sparse=True)),
+    }
+
+
+def make(sizes, spec: str, dit_dtype: str | None = None, **policy) -> Plan:
+    comps = [Component("dit", sizes["dit"], dit_dtype), Component("text_encoder", sizes["text_encoder"]),
+             Component("vae", sizes["vae"])]
+    return make_plan(comps, parse_spec(spec), Workload(1280, 720, 81, 1, True), Policy(**policy))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    placement._live_gpu_ids.cache_clear()
+    yield
+    placement._live_gpu_ids.cache_clear()
+
+
+def with_free(devices, **free_gib):
+    return [dataclasses.replace(d, free_bytes=free_gib[d.id.replace(":", "")] * GiB)
+            if d.id.replace(":", "") in free_gib else d for d in devices]
+
+
+def test_choices_are_stable_ids_in_ordinal_order():
+    assert device_choices(devices=TWO) == ["auto", "cpu", "cuda:0", "cuda:1", "fsdp"]
+    assert device_choices(include_fsdp=False, devices=TWO) == ["auto", "cpu", "cuda:0", "cuda:1"]
+    # free memory does not change the values (saved workflows keep working); only the labels carry it
+    assert device_choices(devices=with_free(TWO, cuda1=3)) == device_choices(devices=TWO)
+    assert device_choices(devices=CPU_ONLY) == ["auto", "cpu", "fsdp"]
+
+
+def test_labels_name_devices_and_memory_but_keep_the_values():
+    devices = with_free(TWO, cuda1=3)
+    labels = choice_labels(devices=devices)
+    assert list(labels) == device_choices(devices=devices)
+    assert labels["cuda:1"] == "cuda:1 simulated 24 GiB, 3 GiB free of 24 GiB"
+    assert "2 GPUs" in labels["fsdp"]
+    assert "fsdp" not in choice_labels(include_fsdp=False, devices=devices)
+    assert "CPU ranks" in choice_labels(devices=CPU_ONLY)["fsdp"]
+
+
+def test_explicit_devices():
+    assert resolve("cuda:1", "vae", None, TWO) == Choice("single", ["cuda:1"], None, "cuda:1, as chosen")
+    assert resolve("cpu", "text_encoder", None, TWO).strategy == "cpu"
+    assert resolve("cpu", "dit", None, TWO).devices == ["cpu"]
+
+
+def test_a_device_that_does_not_exist_names_node_machine_and_choices():
+    with pytest.raises(MgpuError) as info:
+        resolve("cuda:7", "vae", None, TWO)
+    msg = str(info.value)
+    assert msg.startswith("MGPU Load VAE: device cuda:7 does not exist; this machine has cuda:0 simulated 24 GiB")
+    assert "cpu simulated host 64 GiB" in msg
+    assert msg.endswith("pick one of auto, cpu, cuda:0, cuda:1")  # no fsdp for a VAE
+    with pytest.raises(MgpuError, match=r"^MGPU Load Diffusion Model: device cuda:2 .*pick one of .*cuda:1, fsdp$"):
+        resolve("cuda:2", "dit", None, TWO)
+    with pytest.raises(MgpuError, match="'gpu0' is not a device choice"):
+        resolve("gpu0", "text_encoder", None, TWO)
+    with pytest.raises(ValueError, match="unknown role"):
+        resolve("cpu", "unet", None, TWO)
+
+
+def test_fsdp_is_for_the_diffusion_model_only():
+    with pytest.raises(MgpuError, match="MGPU Load Text Encoder: fsdp shards only the diffusion model"):
+        resolve("fsdp", "text_encoder", None, TWO)
+
+
+def test_auto_without_plan_takes_the_gpu_with_most_free_memory():
+    assert resolve("auto", "vae", None, with_free(TWO, cuda0=5, cuda1=20)).devices == ["cuda:1"]
+    assert resolve("auto", "vae", None, TWO).devices == ["cuda:0"]  # tie: lowest ordinal
+    got = resolve("auto", "text_encoder", None, CPU_ONLY)
+    assert (got.strategy, got.devices) == ("cpu", ["cpu"])
+
+
+def test_auto_follows_the_plan(wan14b):
+    plan = make(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    dit = resolve("auto", "dit", plan, TWO)
+    assert (dit.strategy, dit.devices, dit.weight_dtype) == ("fsdp", ["cuda:0", "cuda:1"], "fp8_e4m3fn")
+    for role in ("text_encoder", "vae"):
+        got, placed = resolve("auto", role, plan, TWO), plan.placement(role)
+        assert (got.strategy, got.devices, got.weight_dtype) == (placed.strategy, placed.devices, None)
+        assert "following the plan" in got.reason
+    # a plan without the role (no VAE planned) falls back to free memory
+    partial = make_plan([Component("dit", wan14b["dit"], "fp8_e4m3fn")], parse_spec("2x24GiB,cpu=64GiB"),
+                        Workload(1280, 720, 81, 1, True))
+    assert resolve("auto", "vae", partial, with_free(TWO, cuda1=30)).devices == ["cuda:1"]
+
+
+def test_auto_keeps_stored_dtype_when_the_plan_does_not_recast(wan14b):
+    plan = make(wan14b, "1x80GiB,cpu=64GiB")
+    assert plan.placement("dit").weight_dtype == "bf16"
+    assert resolve("auto", "dit", plan, parse_spec("1x80GiB,cpu=64GiB")).weight_dtype is None
+
+
+def test_fsdp_uses_the_plans_group_else_every_gpu_else_cpu_ranks(wan14b):
+    sharded = make(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    four = parse_spec("4x24GiB,cpu=64GiB")
+    assert resolve("fsdp", "dit", sharded, four).devices == ["cuda:0", "cuda:1"]
+    single = make(wan14b, "1x80GiB,cpu=64GiB")
+    assert single.placement("dit").strategy == "single"
+    assert resolve("fsdp", "dit", single, four).devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert resolve("fsdp", "dit", None, TWO).devices == ["cuda:0", "cuda:1"]
+    cpu = resolve("fsdp", "dit", None, CPU_ONLY)
+    assert (cpu.strategy, cpu.devices) == ("fsdp", ["cpu"] * placement.CPU_FSDP_RANKS)
+
+
+def test_a_plan_for_other_devices_is_refused_with_the_way_out(wan14b):
+    plan = make(wan14b, "4x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn", prefer_speed=True)
+    assert plan.placement("dit").devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    with pytest.raises(MgpuError) as info:
+        resolve("auto", "dit", plan, TWO)
+    msg = str(info.value)
+    assert msg.startswith("MGPU Load Diffusion Model: devices cuda:2, cuda:3 do not exist")
+    assert "make the plan with devices 'auto'" in msg
+    with pytest.raises(MgpuError, match="the MGPU Plan shards the DiT over it"):
+        resolve("fsdp", "dit", plan, TWO)
+    # the same plan read back from the JSON the Plan node sends resolves the same way
+    assert resolve("auto", "vae", Plan.from_json(plan.to_json()), parse_spec("4x24GiB")) == \
+        resolve("auto", "vae", plan, parse_spec("4x24GiB"))
+
+
+def test_check_is_for_validate_inputs():
+    assert check("auto", "vae", TWO) is True and check("cuda:1", "vae", TWO) is True
+    assert check("cuda:7", "vae", TWO).startswith("MGPU Load VAE: device cuda:7 does not exist")
+    assert "fsdp shards only" in check("fsdp", "vae", TWO)
+    assert check(None, "vae", TWO) is True  # a linked value: checked when the node runs
+
+
+# --- the live machine ---------------------------------------------------------------------------------------------
+
+def test_live_choices_come_from_the_inventory(monkeypatch):
+    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("3x8GiB,cpu=16GiB"))
+    assert device_choices() == ["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "fsdp"]
+    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("1x8GiB,cpu=16GiB"))
+    assert device_choices() == ["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "fsdp"]  # read once per process
+    assert resolve("cuda:0", "vae").devices == ["cuda:0"]  # resolve reads the machine afresh
+    with pytest.raises(MgpuError, match="cuda:2 does not exist"):
+        resolve("cuda:2", "vae")
+
+
+def test_without_gpus_the_driver_is_probed_once(monkeypatch):
+    """The web page re-reads labels on every queue change; a GPU-less machine must not re-probe (and re-warn)."""
+    probes = []
+
+    def counting(spec=None):
+        probes.append(spec)
+        return parse_spec(spec or "cpu=16GiB")
+
+    monkeypatch.setattr(placement, "inventory", counting)
+    for _ in range(3):
+        assert [d.id for d in placement.live_devices()] == ["cpu"]
+    assert probes == [None, "cpu", "cpu", "cpu"]
+
+
+def test_a_broken_inventory_leaves_cpu_and_one_log_line(monkeypatch, caplog):
+    def broken():
+        raise MgpuError("environment variable MGPU_DEVICES: bad device spec '2x'")
+
+    monkeypatch.setattr(placement, "inventory", broken)
+    with caplog.at_level(logging.WARNING, logger="mgpu"):
+        assert device_choices() == ["auto", "cpu", "fsdp"]
+        assert device_choices(include_fsdp=False) == ["auto", "cpu"]
+    assert [r.getMessage() for r in caplog.records if "cannot list GPUs" in r.getMessage()] == \
+        ["MGPU: cannot list GPUs (environment variable MGPU_DEVICES: bad device spec '2x'); device choices offer cpu only"]
+
+
+def _fake_comfy(monkeypatch, listing):
+    mm = types.ModuleType("comfy.model_management")
+    mm.get_all_torch_devices = listing
+    mm.get_total_memory = lambda dev: 48 * GiB
+    mm.get_free_memory = lambda dev: 40 * GiB
+    mm.get_torch_device_name = lambda dev: f"ComfyUI's {dev}"
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+
+
+def test_comfyuis_device_list_wins_when_it_exists(monkeypatch):
+    """ComfyUI 2026 lists its GPUs itself; NVML details are kept where it has them."""
+    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("1x24GiB,cpu=16GiB"))
+    _fake_comfy(monkeypatch, lambda: [torch.device("cuda", 0), torch.device("cuda", 1)])
+    devices = placement.live_devices()
+    assert [d.id for d in devices] == ["cuda:0", "cuda:1", "cpu"]
+    assert devices[0].name == "simulated 24 GiB"  # from the inventory
+    assert (devices[1].name, devices[1].free_bytes) == ("ComfyUI's cuda:1", 40 * GiB)
+    assert device_choices() == ["auto", "cpu", "cuda:0", "cuda:1", "fsdp"]
+
+
+def test_a_failing_comfyui_device_list_falls_back(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("1x24GiB,cpu=16GiB"))
+    _fake_comfy(monkeypatch, broken)
+    with caplog.at_level(logging.WARNING, logger="mgpu"):
+        assert [d.id for d in placement.live_devices()] == ["cuda:0", "cpu"]
+    assert "get_all_torch_devices() failed (no CUDA)" in caplog.text
