@@ -20,8 +20,8 @@ from typing import Any
 from mgpu.devices import Device, inventory, parse_spec
 from mgpu.errors import MgpuError, SizingError
 from mgpu.estimates import Workload
-# _phases_resident is the partitioner's own residency rule: the chart's bars then add up to its numbers.
-from mgpu.partition import PHASES, Component, Plan, Policy, _phases_resident, make_plan
+# phases_resident is the partitioner's own residency rule: the chart's bars then add up to its numbers.
+from mgpu.partition import PHASES, Component, Plan, Policy, phases_resident, make_plan
 from mgpu.sizing import ComponentSize, size_component
 
 from .placement import live_devices
@@ -199,7 +199,7 @@ def chart(plan: Plan) -> list[dict]:
         for phase in PHASES:
             segments = []
             for p in plan.placements:
-                if use.device in p.resident_bytes and phase in _phases_resident(p.role, p.strategy, policy):
+                if use.device in p.resident_bytes and phase in phases_resident(p.role, p.strategy, policy):
                     what = _ROLE_LABEL[p.role] + (" shard" if p.strategy == "fsdp" else "")
                     segments.append({"kind": p.role, "label": f"{what} weights", "bytes": p.resident_bytes[use.device]})
             running = plan.placement(_RUNS_IN[phase])

@@ -173,7 +173,7 @@ class _Ledger:
         return self.budget[dev] - max(self.used[dev].values())
 
 
-def _phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]:
+def phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]:
     """The phases in which a component's weights occupy its device."""
     if role == "dit":
         # Rank processes and pinned host copies are outside ComfyUI's model management: they persist.
@@ -184,7 +184,7 @@ def _phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...
 
 
 def _need(role: str, strategy: str, policy: Policy, resident: dict[str, int], working: dict[str, int]) -> dict:
-    phases = _phases_resident(role, strategy, policy)
+    phases = phases_resident(role, strategy, policy)
     run = _PHASE_OF[role]
     need: dict[str, dict[str, int]] = {}
     for dev in set(resident) | set(working):
