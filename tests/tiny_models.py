@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -65,6 +66,21 @@ def tiny_diffusers_wan() -> nn.Module:
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
                                  out_channels=4, text_dim=24, freq_dim=16, ffn_dim=40, num_layers=3,
                                  rope_max_seq_len=32)
+
+
+def sleepy_diffusers_wan(flag: str) -> nn.Module:
+    """``tiny_diffusers_wan`` whose forward waits while the file ``flag`` exists: a forward that is surely in flight
+    when a test kills a rank."""
+    model = tiny_diffusers_wan()
+    forward = model.forward
+
+    def waiting_forward(*args, **kwargs):
+        while os.path.exists(flag):
+            time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    model.forward = waiting_forward
+    return model
 
 
 def diffusers_wan_inputs(batch: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
