@@ -63,7 +63,8 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
     log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
     if choice.strategy == "fsdp":
-        return load_fsdp(path, unet_name, pools.fsdp_devices(choice.devices, fsdp_ranks), dtype)
+        return load_fsdp(path, unet_name, pools.fsdp_devices(choice.devices, fsdp_ranks), dtype,
+                         choice.reshard_after_forward)
     return load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's own partial loading
 
 
@@ -198,13 +199,14 @@ class _ComfyShardedModule(ShardedModule):
         return super().load(timeout)
 
 
-def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None):
+def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True):
     """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here."""
     model_config, sd, prefix = detect(path)
     handle = f"dit-{next(_handles)}"
     comfy_root = os.path.dirname(os.path.abspath(folder_paths.__file__))   # the ComfyUI checkout
     pool = pools.acquire(devices, handle, [comfy_root])
     spec = ModelSpec(factory=FACTORY, checkpoint=path, key_prefix=prefix, cached_inputs=CACHED_INPUTS,
+                     reshard_after_forward=reshard_after_forward,
                      factory_kwargs={"checkpoint": path, "devices": devices,
                                      "flags": numeric_flags(comfy.cli_args.args)})
     sharded = _ComfyShardedModule(pool, spec, handle, dtype)

@@ -43,6 +43,7 @@ class Choice:
     devices: list[str]
     weight_dtype: str | None
     reason: str
+    reshard_after_forward: bool = True   # fsdp: False keeps the gathered weights between steps (the plan's call)
 
 
 # --- the machine --------------------------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def _fsdp(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
     if placed is not None and placed.strategy == "fsdp":
         _check_exists(role, placed.devices, devices, choices, " (the MGPU Plan shards the DiT over it)")
         return Choice("fsdp", list(placed.devices), _recast(placed.weight_dtype),
-                      f"fsdp over the plan's {len(placed.devices)} GPUs: {', '.join(placed.devices)}")
+                      f"fsdp over the plan's {len(placed.devices)} GPUs: {', '.join(placed.devices)}",
+                      placed.reshard_after_forward)
     dtype = _recast(placed.weight_dtype) if placed is not None else None
     gpu_ids = [d.id for d in gpus(devices)]
     if gpu_ids:

@@ -71,6 +71,7 @@ class Placement:
     working_bytes: dict[str, int]  # transient memory per device while this component runs
     tiled: bool = False  # VAE only: decode in tiles
     batch_per_rank: int | None = None  # FSDP only: DiT batch each rank computes (CFG split)
+    reshard_after_forward: bool = True  # FSDP only: False keeps the gathered weights between steps
     reasons: list[str] = field(default_factory=list)
 
 
@@ -234,8 +235,13 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
 
     def fsdp(group: list[Device], why: str) -> Placement | None:
         resident, working, batch = _fsdp_need(size, wbytes, wl, len(group), policy)
-        res = {d.id: resident for d in group}
         work = {d.id: working for d in group}
+        # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
+        # the full weights on every rank, so it is chosen only when that fits too.
+        keep = {d.id: resident + wbytes for d in group}
+        need = _need("dit", "fsdp", policy, keep, work)
+        reshard = not ledger.fits(need)
+        res = {d.id: resident for d in group} if reshard else keep
         need = _need("dit", "fsdp", policy, res, work)
         if not ledger.fits(need):
             attempts.append(f"DiT sharded over {len(group)} GPUs needs {format_bytes(resident + working)} per rank "
@@ -248,8 +254,11 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
                    f"CFG/batch split: each rank computes {batch} of the {wl.dit_batch} DiT batch items per step"]
         if len({d.free_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
+        if not reshard:
+            reasons.append("memory allows keeping the gathered weights between steps: no all-gather after the "
+                           "first step")
         return Placement(**base, strategy="fsdp", devices=[d.id for d in group], resident_bytes=res,
-                         working_bytes=work, batch_per_rank=batch, reasons=reasons)
+                         working_bytes=work, batch_per_rank=batch, reshard_after_forward=reshard, reasons=reasons)
 
     if policy.prefer_speed and len(gpus) >= 2:
         group = sorted(gpus, key=lambda d: d.index)

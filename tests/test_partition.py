@@ -147,6 +147,14 @@ def test_speed_shards_over_all_gpus_even_when_one_would_do(wan14b):
     assert dit.devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"] and dit.batch_per_rank == 1
 
 
+def test_gathered_weights_are_kept_between_steps_only_when_they_fit(wan14b):
+    roomy = plan(wan14b, "4x80GiB:nvlink,cpu=64GiB", prefer_speed=True).placement("dit")
+    assert not roomy.reshard_after_forward
+    assert roomy.resident_bytes["cuda:0"] >= roomy.weight_bytes  # the full gathered model on every rank
+    tight = plan(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn").placement("dit")
+    assert tight.reshard_after_forward and tight.resident_bytes["cuda:0"] < tight.weight_bytes
+
+
 def test_keeping_the_encoder_costs_memory_during_sampling(wan14b):
     freed = plan(wan14b, "1x80GiB,cpu=64GiB")
     kept = plan(wan14b, "1x80GiB,cpu=64GiB", free_text_encoder_before_sampling=False)
