@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from mgpu.fsdp import build_meta, materialize, shard
-from mgpu.model_ops import _import, _local_bytes, batch_rows
+from mgpu.model_ops import _local_bytes, batch_rows
+from mgpu.rank import import_path
 
 
 def echo(ctx, payload: dict, tensors: dict) -> tuple[dict, dict]:
@@ -23,7 +24,7 @@ def echo(ctx, payload: dict, tensors: dict) -> tuple[dict, dict]:
 def load_broadcast(ctx, payload: dict, tensors: dict) -> dict:
     """The usual way (raylight, torch docs): rank 0 reads the whole checkpoint, FSDP broadcasts it to the others."""
     t0 = time.perf_counter()
-    model = build_meta(partial(_import(payload["factory"]), **payload["factory_kwargs"]))
+    model = build_meta(partial(import_path(payload["factory"]), **payload["factory_kwargs"]))
     shard(model, ctx.mesh)
     materialize(model, ctx.torch_device)
     full = load_file(payload["checkpoint"]) if ctx.rank == 0 else {}
@@ -35,7 +36,7 @@ def load_broadcast(ctx, payload: dict, tensors: dict) -> dict:
 
 def warm(ctx, payload: dict, tensors: dict) -> dict:
     """Import the model code, so that load time and RSS measure the weights, not the import of diffusers."""
-    _import(payload["factory"])
+    import_path(payload["factory"])
     from diffusers import WanTransformer3DModel  # noqa: F401  (the factory imports it lazily)
 
     return {}

@@ -52,6 +52,10 @@ def _setup(device: str, flags: dict[str, bool]) -> torch.device:
 def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
     """The checkpoint as meta tensors of the right shapes and dtypes, from its header: all ComfyUI's detection reads."""
     header = read_header(path)
+    unknown = sorted({info.dtype for info in header.tensors.values()} - set(SAFETENSORS_DTYPES))
+    if unknown:
+        raise MgpuError(f"{path}: tensors of dtype {', '.join(unknown)} cannot be loaded by this torch "
+                        f"({torch.__version__}); convert the file, or upgrade torch")
     return {name: torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype], device="meta")
             for name, info in header.tensors.items()}
 

@@ -10,7 +10,6 @@ all-gathers need every rank.
 
 from __future__ import annotations
 
-import importlib
 import time
 from functools import partial
 from typing import Any
@@ -18,8 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.distributed.fsdp import FSDPModule
+
 from mgpu.fsdp import build_meta, compute_dtype_for, materialize, shard
-from mgpu.rank import RankContext, Tensors
+from mgpu.rank import RankContext, Tensors, import_path
 from mgpu.slice_load import load_sharded
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -30,11 +31,6 @@ def batch_rows(batch: int, ranks: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(batch, ranks)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
-
-
-def _import(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _local_bytes(model: nn.Module) -> int:
@@ -64,7 +60,7 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     ctx.objects.pop(handle, None)
     seconds = {}
     t0 = time.perf_counter()
-    factory = partial(_import(payload["factory"]), **payload.get("factory_kwargs", {}))
+    factory = partial(import_path(payload["factory"]), **payload.get("factory_kwargs", {}))
     param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
     model = build_meta(factory)
     seconds["build"] = time.perf_counter() - t0
@@ -122,11 +118,27 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
             for i, r in enumerate(payload["args"])]
     kwargs = {k: _rows(_resolve(r, tensors, cache, ctx.torch_device), batch, lo, hi, k in batched)
               for k, r in payload["kwargs"].items()}
-    with torch.inference_mode():
-        out = _output_tensor(entry["model"](*args, **kwargs))
+    try:
+        with torch.inference_mode():
+            out = _output_tensor(entry["model"](*args, **kwargs))
+    except Exception:
+        _clean_after_failed_forward(ctx, entry)
+        raise
     if empty:
         return {"rows": [0, 0]}, {}
     return {"rows": [lo, hi]}, {"out": out.to("cpu") if ctx.torch_device.type != "cpu" else out}
+
+
+def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
+    """A forward that raised (CUDA OOM, bad input) leaves blocks gathered and memory cached; the pool survives an
+    error every rank raised, so give the memory back before the caller retries, and drop the cached context
+    (the host forgets its mirror of it on any failure)."""
+    for module in entry["model"].modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    entry["cache"].clear()
+    if ctx.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:

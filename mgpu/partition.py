@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from mgpu.devices import Device, format_bytes
 from mgpu.errors import PlanError
 from mgpu.estimates import (
+    GiB,
     Workload,
     dit_working_bytes,
     text_encoder_working_bytes,
@@ -29,7 +30,6 @@ from mgpu.estimates import (
 )
 from mgpu.sizing import ComponentSize
 
-GiB = 1 << 30
 ROLES = ("text_encoder", "dit", "vae")
 PHASES = ("encode", "sample", "decode")
 _PHASE_OF = {"text_encoder": "encode", "dit": "sample", "vae": "decode"}
@@ -157,13 +157,6 @@ class _Ledger:
     def fits(self, need: dict[str, dict[str, int]]) -> bool:
         return all(self.used[dev][ph] + b <= self.budget[dev] for dev, phases in need.items() for ph, b in phases.items())
 
-    def shortfall(self, need: dict[str, dict[str, int]]) -> list[dict]:
-        out = []
-        for dev, phases in need.items():
-            peak = max(self.used[dev][ph] + b for ph, b in phases.items())
-            out.append({"device": dev, "need_bytes": peak, "budget_bytes": self.budget[dev]})
-        return out
-
     def commit(self, need: dict[str, dict[str, int]], label: str) -> None:
         for dev, phases in need.items():
             for ph, b in phases.items():
@@ -254,6 +247,9 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
                    f"CFG/batch split: each rank computes {batch} of the {wl.dit_batch} DiT batch items per step"]
         if len({d.free_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
+        if len(group) > wl.dit_batch:
+            reasons.append(f"{len(group) - wl.dit_batch} of the {len(group)} ranks have no batch item to compute: "
+                           "they hold a share of the weights, but add no speed until sequence parallelism")
         if not reshard:
             reasons.append("memory allows keeping the gathered weights between steps: no all-gather after the "
                            "first step")

@@ -143,6 +143,9 @@ def _validate(config: PoolConfig) -> tuple[str, str]:
         if len(set(cuda)) != len(cuda):
             raise DeviceSpecError(f"two ranks on one GPU in {config.devices}: NCCL needs one GPU per rank")
     all_cuda = len(cuda) == len(config.devices)
+    if cuda and not all_cuda:
+        raise DeviceSpecError(f"ranks {config.devices} mix GPUs and cpu: FSDP needs every rank on the same kind of "
+                              "device; use only GPUs or only cpu ranks")
     backend = config.backend or ("nccl" if all_cuda else "gloo")
     if backend == "nccl" and not all_cuda:
         raise DeviceSpecError(f"backend 'nccl' needs every rank on a GPU, got {config.devices}; use backend 'gloo'")

@@ -73,16 +73,21 @@ def register_op(name: str) -> Callable[[OpFn], OpFn]:
     return deco
 
 
+def import_path(path: str) -> Callable:
+    """The function named ``"package.module:function"``, imported from the rank's sys.path (with extra_sys_path)."""
+    module, _, attr = path.partition(":")
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise LookupError(f"{path!r}: module {module!r} has no function {attr!r}")
+    return fn
+
+
 def resolve_op(name: str) -> OpFn:
-    """A registered op, else ``"module:function"`` imported (from the rank's sys.path, which has extra_sys_path)."""
+    """A registered op, else ``"module:function"`` imported."""
     if name in _OPS:
         return _OPS[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
-        fn = getattr(importlib.import_module(module), attr, None)
-        if not callable(fn):
-            raise LookupError(f"op {name!r}: module {module!r} has no function {attr!r}")
-        return fn
+        return import_path(name)
     raise LookupError(f"unknown op {name!r}; registered: {sorted(_OPS)}. Ops registered in another module need that "
                       "module in PoolConfig.imports, or call them as 'package.module:function'")
 
@@ -163,8 +168,6 @@ def _init_context(args: argparse.Namespace) -> RankContext:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:   # cpu ranks share the cores; oversubscribing them is slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     timeout = timedelta(seconds=args.timeout)
     # Rank 0 serves the store on the socket the host bound (loopback by default); left to itself the TCPStore
     # would listen on every interface.

@@ -22,6 +22,7 @@ from mgpu.errors import RankFailure
 from mgpu.pool import RankPool
 
 OPS = "mgpu.model_ops:"
+LOAD_TIMEOUT_S = 1800.0   # 15 GB per rank at ~10 MB/s (a network drive) still loads
 _handles = itertools.count()
 
 
@@ -91,7 +92,11 @@ class ShardedModule:
         return self._generation == self.pool.generation and self.pool.alive
 
     def load(self, timeout: float | None = None) -> list[dict]:
-        """Build, shard and load on every rank; returns each rank's load report."""
+        """Build, shard and load on every rank; returns each rank's load report.
+
+        A load reads 1/N of a checkpoint that can be 30 GB, from a disk that can be slow: it gets at least
+        LOAD_TIMEOUT_S, not the per-step timeout of the pool."""
+        timeout = max(self.pool.config.call_timeout_s, LOAD_TIMEOUT_S) if timeout is None else timeout
         payload = {"handle": self.handle, **asdict(self.spec)}
         payload.pop("cached_inputs")
         payload.pop("split_batch")

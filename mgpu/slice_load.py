@@ -26,8 +26,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "BOOL": torch.bool,
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # torch >= 2.7
+    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 @dataclass
