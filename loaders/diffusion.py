@@ -52,8 +52,12 @@ GATHER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # M
 _handles = itertools.count()
 
 
-def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None):
-    """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any."""
+def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None, owner: str | None = None):
+    """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any.
+
+    ``owner`` (the node's id): the FSDP model this node loaded before is freed first, synchronously. ComfyUI drops
+    the old MODEL only after this returns, and a model sized to fit the GPUs does not fit twice."""
+    pools.release_owned(owner)
     path = folder_paths.get_full_path("diffusion_models", unet_name)
     if path is None or not os.path.isfile(path):
         raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
@@ -64,7 +68,7 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
     if choice.strategy == "fsdp":
         return load_fsdp(path, unet_name, pools.fsdp_devices(choice.devices, fsdp_ranks), dtype,
-                         choice.reshard_after_forward)
+                         choice.reshard_after_forward, owner)
     return load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's own partial loading
 
 
@@ -98,8 +102,11 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
     def model_size(self) -> int:
         return 0
 
+    rank_devices: list[str] = []
+
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False) -> None:
         self._refuse_network_patches()
+        self._free_rank_gpus()
         self.model.device = device_to
         self.model.model_loaded_weight_memory = 0
         self.model.current_weight_patches_uuid = self.patches_uuid
@@ -111,6 +118,16 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
         super().unpatch_model(None, unpatch_weights)   # never .to(): the host's network is on meta
         if device_to is not None:
             self.model.device = device_to
+
+    def _free_rank_gpus(self) -> None:
+        """Unload ComfyUI's own models (text encoder, VAE) from the ranks' GPUs before sampling: ComfyUI cannot see
+        the ranks' memory, and the plan counts on the encoder being gone while the DiT computes. They come back
+        by themselves when a later node needs them (the VAE for decoding)."""
+        for d in self.rank_devices:
+            device = torch.device(d)
+            if device.type == "cuda":
+                mm.free_memory(mm.get_total_memory(device), device)
+        mm.soft_empty_cache()
 
     def _refuse_network_patches(self) -> None:
         found = [label for label, present in (
@@ -199,7 +216,8 @@ class _ComfyShardedModule(ShardedModule):
         return super().load(timeout)
 
 
-def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True):
+def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True,
+              owner: str | None = None):
     """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here."""
     model_config, sd, prefix = detect(path)
     handle = f"dit-{next(_handles)}"
@@ -225,9 +243,11 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
             raise pools.explain(exc, f"{NODE}: loading {label}") from exc
         raise
     weakref.finalize(base, pools.release_later, sharded)   # ComfyUI dropped the MODEL: free the shards
+    pools.own(owner, sharded)
     cpu = torch.device("cpu")   # the host only does the sampler's arithmetic on the latent
     base.device = cpu
     patcher = ShardedModelPatcher(base, load_device=cpu, offload_device=cpu)
+    patcher.rank_devices = list(devices)
     signature = inspect.signature(base.diffusion_model._forward)
     patcher.add_object_patch(REMOTE_FORWARD, RemoteForward(sharded, label, signature))
     patcher.add_object_patch("memory_required", _no_host_memory)

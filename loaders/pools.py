@@ -22,6 +22,7 @@ log = logging.getLogger("mgpu")
 _lock = threading.Lock()
 _pools: dict[tuple[str, ...], RankPool] = {}
 _models: dict[tuple[str, ...], set[str]] = {}   # handles of the models loaded (or loading) on each pool
+_owned: dict[str, object] = {}                    # node id -> the ShardedModule that node loaded last
 
 
 def fsdp_devices(devices: list[str], ranks: int) -> list[str]:
@@ -64,6 +65,19 @@ def release(sharded) -> None:
             log.warning("MGPU: freeing %s on its FSDP ranks failed: %s", sharded.spec.checkpoint, exc)
         else:
             log.info("MGPU: %s is no longer used; its shards on the FSDP ranks were freed", sharded.spec.checkpoint)
+
+
+def own(owner: str | None, sharded) -> None:
+    """Remember that node ``owner`` loaded ``sharded``, so its next run can free it first (``release_owned``)."""
+    if owner is not None:
+        _owned[owner] = sharded
+
+
+def release_owned(owner: str | None) -> None:
+    """Free, now, the model node ``owner`` loaded before: its replacement must not load beside it."""
+    previous = _owned.pop(owner, None) if owner is not None else None
+    if previous is not None:
+        release(previous)
 
 
 def release_later(sharded) -> None:

@@ -5,7 +5,9 @@ Memory model (every number is an estimate from `mgpu.estimates`, and the plan sa
 * A run has three phases: ``encode`` (text encoder), ``sample`` (DiT), ``decode`` (VAE). A device's peak is the
   largest, over the phases, of the weights resident in that phase plus the working memory of what runs there.
 * A single-device DiT or text encoder lives in ComfyUI's model management, which unloads models to make room,
-  so with ``Policy.free_text_encoder_before_sampling`` the encoder's weights are gone before sampling starts.
+  so with ``Policy.free_text_encoder_before_sampling`` the encoder's weights are gone before sampling starts. For an
+  FSDP DiT ComfyUI cannot see the ranks' memory, so its loader unloads ComfyUI's models from the ranks' GPUs when
+  sampling starts (``loaders.diffusion.ShardedModelPatcher``).
 * An FSDP-sharded DiT lives in the rank processes for as long as the pool holds it, so its shard is resident in
   every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank.
 * A device's budget is its free memory minus ``Policy.reserve_bytes`` (CUDA context, allocator fragmentation);

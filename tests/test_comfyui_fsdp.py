@@ -282,6 +282,21 @@ def test_interrupt_stops_within_a_step_and_keeps_the_pool(server: ComfyServer) -
     assert sorted(p.pid for p in ranks_of(server)) == pids
 
 
+def test_a_changed_loader_frees_its_old_shards_before_loading_new_ones(server: ComfyServer) -> None:
+    """Re-running the loader node (another weight dtype) must not hold two models on the ranks at once: the old
+    shards are freed before the new ones load (by the loader itself; ComfyUI's own cache drop may also get there
+    first through the finalizer, so this checks the outcome, not which path freed them)."""
+    run(server, sharded_prompt(1, seed=21))
+    start = len(server.log())
+    changed = sharded_prompt(1, seed=21)
+    changed["fsdp_unet"]["inputs"]["weight_dtype"] = "fp32"
+    lat = latents(server, run(server, changed))
+    log = server.log()[start:]
+    freed, loaded = log.find("its shards on the FSDP ranks were freed"), log.rfind("loaded in")
+    assert 0 <= freed < loaded, log[-3000:]
+    assert torch.isfinite(lat["fsdp"]).all()
+
+
 @pytest.mark.parametrize(("loader", "expected"), [
     ({"unet_name": "no_such_model.safetensors"}, ["'no_such_model.safetensors' is not in ComfyUI's diffusion_models"]),
     ({"device": "cuda:7"}, ["cuda:7 does not exist", "pick one of auto, cpu, fsdp"]),

@@ -113,6 +113,7 @@ class FakeSharded:
 def fake_pools(monkeypatch):
     monkeypatch.setattr(pools, "_pools", {})
     monkeypatch.setattr(pools, "_models", {})
+    monkeypatch.setattr(pools, "_owned", {})
     monkeypatch.setattr(pools, "RankPool", FakePool)
     monkeypatch.setattr(pools, "PoolConfig", lambda **kw: SimpleNamespace(**kw))
 
@@ -136,6 +137,19 @@ def test_a_pool_on_other_devices_stops_only_the_idle_pools(fake_pools) -> None:
     new = pools.acquire(["cuda:0", "cuda:1", "cuda:2"], "c", [])
     assert idle.closed and not busy.closed and not new.closed
     assert pools.acquire(["cuda:0", "cuda:1"], "d", []) is not idle   # a stopped pool is never handed out again
+
+
+def test_a_node_run_again_frees_its_previous_model_first(fake_pools) -> None:
+    pool = pools.acquire(["cpu", "cpu"], "a", [])
+    first = FakeSharded(pool, "a")
+    pools.own("12", first)
+    pools.release_owned("13")               # another node: nothing of node 12 is touched
+    assert first.freed == 0
+    pools.release_owned("12")               # node 12 runs again: its old shards go before the new ones load
+    assert first.freed == 1 and "a" not in pools._models[("cpu", "cpu")]
+    pools.release_owned("12")
+    assert first.freed == 1                 # released once
+    pools.release_owned(None)               # no node id (a direct call): nothing to do
 
 
 def test_release_later_frees_off_the_calling_thread(fake_pools) -> None:
