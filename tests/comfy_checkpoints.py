@@ -1,8 +1,7 @@
 """Tiny random checkpoints in the exact key layouts ComfyUI 0.3.64 detects.
 
-Shape tables are written out here (no ComfyUI import), so the same files can feed CI tests of our own
-safetensors sizing code where ComfyUI is absent; `test_comfyui_smoke.py` proves the tables match
-ComfyUI's own classes key for key whenever a checkout is present.
+Shape tables come from ``ckpt_layouts`` (no ComfyUI import), the same layouts the sizing tests use;
+`test_comfyui_smoke.py` proves they match ComfyUI's own classes key for key whenever a checkout is present.
 
 What ComfyUI's detection reads (comfy/model_detection.py, comfy/sd.py at 0.3.64):
 - Wan 2.1 DiT: `head.modulation` marks it; dim from its last axis, num_heads = dim // 128 (so dim must be a
@@ -24,11 +23,12 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+import ckpt_layouts as L
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -42,8 +42,6 @@ class WanDiTConfig:
     num_layers: int = 2
     in_dim: int = 16
     out_dim: int = 16
-    text_dim: int = 4096
-    freq_dim: int = 256
 
     def __post_init__(self) -> None:
         if self.dim % 128:
@@ -56,156 +54,27 @@ class LTXVDiTConfig:
 
     head_dim: int = 4
     num_layers: int = 2
-    num_heads: int = 32
     in_channels: int = 128
     caption_channels: int = 4096
 
-    @property
-    def inner_dim(self) -> int:
-        return self.num_heads * self.head_dim
 
-
-@dataclass(frozen=True)
-class WanVAEConfig:
-    """Wan 2.1 VAE. ComfyUI only loads the defaults (dim 96, z_dim 16)."""
-
-    dim: int = 96
-    z_dim: int = 16
-    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
-    num_res_blocks: int = 2
-    temporal_downsample: tuple[bool, ...] = (False, True, True)
-
-
-def _linear(out: dict, name: str, n_out: int, n_in: int, bias: bool = True) -> None:
-    out[f"{name}.weight"] = (n_out, n_in)
-    if bias:
-        out[f"{name}.bias"] = (n_out,)
+def _shapes(layout: L.Layout) -> Shapes:
+    return {key: shape for key, (shape, _) in layout.items()}
 
 
 def wan21_dit_shapes(cfg: WanDiTConfig = WanDiTConfig()) -> Shapes:
     """Key -> shape of a Wan 2.1 T2V DiT as stored in Comfy-Org's repacks (bare keys)."""
-    d, s = cfg.dim, {}
-    s["patch_embedding.weight"] = (d, cfg.in_dim, 1, 2, 2)
-    s["patch_embedding.bias"] = (d,)
-    _linear(s, "text_embedding.0", d, cfg.text_dim)
-    _linear(s, "text_embedding.2", d, d)
-    _linear(s, "time_embedding.0", d, cfg.freq_dim)
-    _linear(s, "time_embedding.2", d, d)
-    _linear(s, "time_projection.1", 6 * d, d)
-    for i in range(cfg.num_layers):
-        p = f"blocks.{i}"
-        s[f"{p}.modulation"] = (1, 6, d)
-        for attn in ("self_attn", "cross_attn"):
-            for proj in ("q", "k", "v", "o"):
-                _linear(s, f"{p}.{attn}.{proj}", d, d)
-            s[f"{p}.{attn}.norm_q.weight"] = (d,)
-            s[f"{p}.{attn}.norm_k.weight"] = (d,)
-        s[f"{p}.norm3.weight"] = (d,)
-        s[f"{p}.norm3.bias"] = (d,)
-        _linear(s, f"{p}.ffn.0", cfg.ffn_dim, d)
-        _linear(s, f"{p}.ffn.2", d, cfg.ffn_dim)
-    s["head.modulation"] = (1, 2, d)
-    _linear(s, "head.head", cfg.out_dim * 4, d)
-    return s
+    return _shapes(L.wan_dit(cfg.dim, cfg.ffn_dim, cfg.num_layers, in_ch=cfg.in_dim, out_ch=cfg.out_dim))
 
 
 def ltxv_dit_shapes(cfg: LTXVDiTConfig = LTXVDiTConfig()) -> Shapes:
     """Key -> shape of an LTX-Video (0.9.x) DiT without its prefix."""
-    d, s = cfg.inner_dim, {}
-    s["scale_shift_table"] = (2, d)
-    _linear(s, "patchify_proj", d, cfg.in_channels)
-    _linear(s, "adaln_single.emb.timestep_embedder.linear_1", d, 256)
-    _linear(s, "adaln_single.emb.timestep_embedder.linear_2", d, d)
-    _linear(s, "adaln_single.linear", 6 * d, d)
-    _linear(s, "caption_projection.linear_1", d, cfg.caption_channels)
-    _linear(s, "caption_projection.linear_2", d, d)
-    for i in range(cfg.num_layers):
-        p = f"transformer_blocks.{i}"
-        s[f"{p}.scale_shift_table"] = (6, d)
-        for attn in ("attn1", "attn2"):
-            s[f"{p}.{attn}.q_norm.weight"] = (d,)
-            s[f"{p}.{attn}.k_norm.weight"] = (d,)
-            for proj in ("to_q", "to_k", "to_v", "to_out.0"):
-                _linear(s, f"{p}.{attn}.{proj}", d, d)
-        _linear(s, f"{p}.ff.net.0.proj", 4 * d, d)
-        _linear(s, f"{p}.ff.net.2", d, 4 * d)
-    _linear(s, "proj_out", cfg.in_channels, d)
-    return s
+    return _shapes(L.ltxv_dit(cfg.head_dim, cfg.num_layers, in_ch=cfg.in_channels, caption_ch=cfg.caption_channels))
 
 
-def _residual(s: dict, p: str, cin: int, cout: int) -> None:
-    s[f"{p}.residual.0.gamma"] = (cin, 1, 1, 1)
-    s[f"{p}.residual.2.weight"] = (cout, cin, 3, 3, 3)
-    s[f"{p}.residual.2.bias"] = (cout,)
-    s[f"{p}.residual.3.gamma"] = (cout, 1, 1, 1)
-    s[f"{p}.residual.6.weight"] = (cout, cout, 3, 3, 3)
-    s[f"{p}.residual.6.bias"] = (cout,)
-    if cin != cout:
-        s[f"{p}.shortcut.weight"] = (cout, cin, 1, 1, 1)
-        s[f"{p}.shortcut.bias"] = (cout,)
-
-
-def _middle(s: dict, p: str, c: int) -> None:
-    _residual(s, f"{p}.middle.0", c, c)
-    s[f"{p}.middle.1.norm.gamma"] = (c, 1, 1)
-    s[f"{p}.middle.1.to_qkv.weight"] = (3 * c, c, 1, 1)
-    s[f"{p}.middle.1.to_qkv.bias"] = (3 * c,)
-    s[f"{p}.middle.1.proj.weight"] = (c, c, 1, 1)
-    s[f"{p}.middle.1.proj.bias"] = (c,)
-    _residual(s, f"{p}.middle.2", c, c)
-
-
-def wan21_vae_shapes(cfg: WanVAEConfig = WanVAEConfig()) -> Shapes:
-    """Key -> shape of the Wan 2.1 VAE (mirrors comfy/ldm/wan/vae.py Encoder3d/Decoder3d, no attention scales)."""
-    s: Shapes = {}
-    mult, n_res = list(cfg.dim_mult), cfg.num_res_blocks
-    dims = [cfg.dim * u for u in [1] + mult]
-    s["encoder.conv1.weight"] = (dims[0], 3, 3, 3, 3)
-    s["encoder.conv1.bias"] = (dims[0],)
-    idx = 0
-    for i, (cin, cout) in enumerate(pairwise(dims)):
-        for _ in range(n_res):
-            _residual(s, f"encoder.downsamples.{idx}", cin, cout)
-            cin, idx = cout, idx + 1
-        if i != len(mult) - 1:
-            s[f"encoder.downsamples.{idx}.resample.1.weight"] = (cout, cout, 3, 3)
-            s[f"encoder.downsamples.{idx}.resample.1.bias"] = (cout,)
-            if cfg.temporal_downsample[i]:
-                s[f"encoder.downsamples.{idx}.time_conv.weight"] = (cout, cout, 3, 1, 1)
-                s[f"encoder.downsamples.{idx}.time_conv.bias"] = (cout,)
-            idx += 1
-    _middle(s, "encoder", dims[-1])
-    s["encoder.head.0.gamma"] = (dims[-1], 1, 1, 1)
-    s["encoder.head.2.weight"] = (2 * cfg.z_dim, dims[-1], 3, 3, 3)
-    s["encoder.head.2.bias"] = (2 * cfg.z_dim,)
-    s["conv1.weight"] = (2 * cfg.z_dim, 2 * cfg.z_dim, 1, 1, 1)
-    s["conv1.bias"] = (2 * cfg.z_dim,)
-    s["conv2.weight"] = (cfg.z_dim, cfg.z_dim, 1, 1, 1)
-    s["conv2.bias"] = (cfg.z_dim,)
-
-    dims = [cfg.dim * u for u in [mult[-1]] + mult[::-1]]
-    temporal_up = list(cfg.temporal_downsample[::-1])
-    s["decoder.conv1.weight"] = (dims[0], cfg.z_dim, 3, 3, 3)
-    s["decoder.conv1.bias"] = (dims[0],)
-    _middle(s, "decoder", dims[0])
-    idx = 0
-    for i, (cin, cout) in enumerate(pairwise(dims)):
-        if i in (1, 2, 3):
-            cin //= 2
-        for _ in range(n_res + 1):
-            _residual(s, f"decoder.upsamples.{idx}", cin, cout)
-            cin, idx = cout, idx + 1
-        if i != len(mult) - 1:
-            s[f"decoder.upsamples.{idx}.resample.1.weight"] = (cout // 2, cout, 3, 3)
-            s[f"decoder.upsamples.{idx}.resample.1.bias"] = (cout // 2,)
-            if temporal_up[i]:
-                s[f"decoder.upsamples.{idx}.time_conv.weight"] = (2 * cout, cout, 3, 1, 1)
-                s[f"decoder.upsamples.{idx}.time_conv.bias"] = (2 * cout,)
-            idx += 1
-    s["decoder.head.0.gamma"] = (dims[-1], 1, 1, 1)
-    s["decoder.head.2.weight"] = (3, dims[-1], 3, 3, 3)
-    s["decoder.head.2.bias"] = (3,)
-    return s
+def wan21_vae_shapes() -> Shapes:
+    """Key -> shape of the Wan 2.1 VAE (ComfyUI builds only dim 96, z 16)."""
+    return _shapes(L.wan_vae("2.1"))
 
 
 def random_state_dict(shapes: Shapes, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
