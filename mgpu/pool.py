@@ -25,7 +25,6 @@ import atexit
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -498,7 +497,7 @@ class RankPool:
             self._inputs = None
         self._dropped_inputs = []
         for directory in self._dirs:
-            shutil.rmtree(directory, ignore_errors=True)
+            shm.remove_private_dir(directory)
         self._dirs = []
 
 

@@ -18,6 +18,7 @@ length of a call. Free segments are reused; past ``MAX_FREE`` or ``KEEP_BYTES`` 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -27,7 +28,6 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import psutil
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -63,13 +63,45 @@ def shm_parent() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+LOCK_NAME = ".owner.lock"
+_HELD_LOCKS: dict[str, int] = {}   # directory -> lock fd; the kernel drops the flock if this process dies
+
+
 def private_dir(parent: str) -> str:
-    """A 0700 directory named after this process, so ``sweep_stale`` can tell when its owner is gone."""
-    return tempfile.mkdtemp(prefix=f"mgpu-{os.getpid()}-", dir=parent)
+    """A 0700 directory of this process, with a lock file it holds an flock on while it lives: ``sweep_stale``
+    can then tell a live owner from a dead one, also across PID namespaces sharing /dev/shm or /tmp."""
+    path = tempfile.mkdtemp(prefix=f"mgpu-{os.getpid()}-", dir=parent)
+    fd = os.open(os.path.join(path, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD_LOCKS[path] = fd
+    return path
+
+
+def remove_private_dir(path: str) -> None:
+    """Delete a directory made by ``private_dir`` and let go of its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _HELD_LOCKS.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _owner_alive(path: str) -> bool:
+    """Whether the directory's owner still holds its lock (a directory without a lock file is left alone)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def sweep_stale(parent: str) -> list[str]:
-    """Remove our private directories whose owning process is dead (a host killed before it could clean up)."""
+    """Remove our private directories whose owning process is gone (a host killed before it could clean up)."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -83,7 +115,7 @@ def sweep_stale(parent: str) -> list[str]:
             mine = entry.stat(follow_symlinks=False).st_uid == os.getuid()
         except OSError:
             continue
-        if mine and not psutil.pid_exists(int(match.group(1))):
+        if mine and not _owner_alive(entry.path):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed

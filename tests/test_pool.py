@@ -396,3 +396,18 @@ def test_segments_are_lent_until_every_tensor_is_gone_then_reused_or_dropped(tmp
     receiver.forget([big.path])
     sender.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_sweep_spares_a_live_owner_whose_pid_is_not_ours_to_see(tmp_path):
+    """Another PID namespace sharing /dev/shm: the owner's pid means nothing here, its lock does."""
+    import fcntl
+
+    foreign = tmp_path / "mgpu-999999-abc"
+    foreign.mkdir()
+    fd = os.open(foreign / shm.LOCK_NAME, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)          # held by a live process (this one, standing in for the owner)
+    try:
+        assert shm.sweep_stale(str(tmp_path)) == [] and foreign.exists()
+    finally:
+        os.close(fd)                        # the owner dies: its lock goes with it
+    assert shm.sweep_stale(str(tmp_path)) == [str(foreign)] and not foreign.exists()
