@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from functools import partial
 
-import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

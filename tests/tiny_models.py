@@ -11,7 +11,6 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -131,11 +130,9 @@ def tiny_comfy_wan(dtype: torch.dtype | None = None) -> nn.Module:
 
 
 def comfy_wan_inputs(batch: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Latent and text in the model dtype, timestep in fp32: what ComfyUI's BaseModel passes."""
-    g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(batch, 4, 2, 8, 8, generator=g).to(dtype),
-            "timestep": torch.rand(batch, generator=g) * 1000,
-            "context": torch.randn(batch, 6, 24, generator=g).to(dtype)}
+    """The same inputs as ``diffusers_wan_inputs`` under the names ComfyUI's BaseModel passes."""
+    names = {"hidden_states": "x", "timestep": "timestep", "encoder_hidden_states": "context"}
+    return {names[k]: v for k, v in diffusers_wan_inputs(batch, seed, dtype).items()}
 
 
 def run_kwargs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
