@@ -119,7 +119,7 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
     kwargs = {k: _rows(_resolve(r, tensors, cache, ctx.torch_device), batch, lo, hi, k in batched)
               for k, r in payload["kwargs"].items()}
     try:
-        with torch.inference_mode():
+        with torch.no_grad():   # not inference_mode: FSDP2 bumps version counters (crashes at world size 1)
             out = _output_tensor(entry["model"](*args, **kwargs))
     except Exception:
         _clean_after_failed_forward(ctx, entry)

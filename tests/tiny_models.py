@@ -53,6 +53,11 @@ def tiny_mlp() -> TinyMLP:
     return TinyMLP()
 
 
+def wide_mlp() -> TinyMLP:
+    """TinyMLP at 17 MB of fp32: large enough that bytes read from disk are measurable against the noise of a rank."""
+    return TinyMLP(dim=512, hidden=1024)
+
+
 def mlp_inputs(batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"x": torch.randn(batch, 5, 8, generator=g)}
