@@ -46,8 +46,8 @@ def find_block_lists(model: nn.Module, names: Sequence[str] | None = None) -> li
     """Names of the repeated block lists to shard one block per FSDP unit.
 
     Auto-detection keeps the outermost same-class ModuleLists that hold at least 10% of the parameters (so Flux-style
-    models with two block stacks get both), in definition order: usually the execution order, which forward
-    prefetching follows. ``names`` overrides it and is only validated.
+    models with two block stacks get both), in definition order; prefetching follows the recorded execution order.
+    ``names`` overrides it and is only validated.
     """
     modules = dict(model.named_modules())
     if names is not None:
@@ -125,7 +125,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = 
     """Make every block, then the root (embeddings, head), an FSDP2 unit on ``mesh``; returns ``model`` itself.
 
     One unit per block bounds the all-gathered working set to about ``1 + prefetch`` blocks; prefetching the next
-    block(s) in forward overlaps their all-gather with the current block's compute. ``reshard_after_forward=False``
+    block(s) in forward overlaps their all-gather with the current block's compute. What runs next is what the first
+    forward ran next (``_prefetch_in_execution_order``), not the definition order. ``reshard_after_forward=False``
     keeps the gathered weights between forwards (faster, full-model memory). ``param_dtype`` is the all-gather and
     compute dtype (see ``compute_dtype_for``). Forward inputs are not cast: the sharded model computes exactly like
     the single-device model with its weights in ``param_dtype`` (casting would round e.g. timesteps to bf16).
@@ -141,7 +142,32 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = 
             units.append(block)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if prefetch > 0:
-        chain = [model, *units]
-        for i, unit in enumerate(chain[:-1]):
-            unit.set_modules_to_forward_prefetch(chain[i + 1:i + 1 + prefetch])
+        _prefetch_in_execution_order(model, units, prefetch)
     return model
+
+
+def _prefetch_in_execution_order(root: FSDPModule, units: list[FSDPModule], depth: int) -> None:
+    """Make each unit prefetch the ``depth`` units that run after it, in the order the first forward runs them.
+
+    Definition order is not execution order: Wan VACE runs a ``vace_blocks`` entry between ``blocks``, so prefetching
+    by definition would gather blocks long before they run (memory) and miss the ones that run next (speed). The first
+    forward runs without prefetch and records the order; a forward that fails midway records again next time.
+    """
+    order: list[FSDPModule] = []
+
+    def start(module, args) -> None:
+        order.clear()
+
+    def ran(module, args) -> None:
+        if module not in order:
+            order.append(module)
+
+    def finish(module, args, output) -> None:
+        for handle in handles:
+            handle.remove()
+        chain = [root, *order]
+        for i, unit in enumerate(chain[:-1]):
+            unit.set_modules_to_forward_prefetch(chain[i + 1:i + 1 + depth])
+
+    handles = [root.register_forward_pre_hook(start), *(u.register_forward_pre_hook(ran) for u in units),
+               root.register_forward_hook(finish)]

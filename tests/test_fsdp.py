@@ -381,3 +381,58 @@ def test_load_before_materialize_and_bad_files(tmp_path):
         load_sharded(tm.reference("mlp"), tmp_path / "cut.safetensors")
     with pytest.raises(SizingError, match="absent.safetensors"):
         load_sharded(tm.reference("mlp"), tmp_path / "absent.safetensors")
+
+
+class _Interleaved(nn.Module):
+    """Wan VACE's shape: a second block stack whose entries run between the main blocks, not after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.side = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = torch.tanh(block(x))
+            if i % 2 == 0:
+                x = x + self.side[i // 2](x)
+        return self.head(x)
+
+
+@torch.no_grad()
+def test_prefetch_follows_execution_order_not_definition_order(tmp_path, monkeypatch):
+    """Each unit prefetches the unit that runs after it (blocks[0] -> side[0] -> blocks[1] ...), as the test observes
+    the forward run, and the output stays the unsharded one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    prefetches: dict[nn.Module, list[nn.Module]] = {}
+    real = FSDPModule.set_modules_to_forward_prefetch
+
+    def spy(self, modules):
+        prefetches[self] = list(modules)
+        return real(self, modules)
+
+    monkeypatch.setattr(FSDPModule, "set_modules_to_forward_prefetch", spy)
+    torch.manual_seed(0)
+    reference = _Interleaved()
+    x = torch.randn(3, 8)
+    want = reference(x)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = copy.deepcopy(reference)
+        shard(model, init_device_mesh("cpu", (1,)))
+        ran: list[nn.Module] = []
+        for unit in [*model.blocks, *model.side]:
+            unit.register_forward_pre_hook(lambda m, a: ran.append(m))
+        assert not prefetches, "prefetch set before the first forward could show the execution order"
+        got = [model(x) for _ in range(2)]
+    finally:
+        dist.destroy_process_group()
+    order = ran[:len(ran) // 2]
+    assert order == [model.blocks[0], model.side[0], model.blocks[1], model.blocks[2], model.side[1],
+                     model.blocks[3]]
+    chain = [model, *order]
+    assert prefetches == {unit: [chain[i + 1]] for i, unit in enumerate(chain[:-1])}
+    for out in got:
+        torch.testing.assert_close(out, want)
