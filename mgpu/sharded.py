@@ -20,6 +20,7 @@ import xxhash
 
 from mgpu.errors import RankFailure
 from mgpu.pool import RankPool
+from mgpu.torch_support import require_fsdp_torch
 
 OPS = "mgpu.model_ops:"
 LOAD_TIMEOUT_S = 1800.0   # 15 GB per rank at ~10 MB/s (a network drive) still loads
@@ -96,6 +97,7 @@ class ShardedModule:
 
         A load reads 1/N of a checkpoint that can be 30 GB, from a disk that can be slow: it gets at least
         LOAD_TIMEOUT_S, not the per-step timeout of the pool."""
+        require_fsdp_torch()
         timeout = max(self.pool.config.call_timeout_s, LOAD_TIMEOUT_S) if timeout is None else timeout
         payload = {"handle": self.handle, **asdict(self.spec)}
         payload.pop("cached_inputs")
