@@ -52,6 +52,11 @@ def rss(pool: RankPool) -> list[int]:
     return [r.payload["rss"] for r in pool.call("stats")]
 
 
+def read_chars(pool: RankPool) -> list[int]:
+    """Bytes each rank has read so far as the kernel counts them (/proc/PID/io rchar), not as the loader reports."""
+    return [psutil.Process(r.payload["pid"]).io_counters().read_chars for r in pool.call("ping")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=1024)
@@ -93,9 +98,11 @@ def main() -> None:
             spec = ModelSpec(factory=FACTORY, checkpoint=path, factory_kwargs=cfg.factory_kwargs,
                              cached_inputs=("encoder_hidden_states",))
             model = ShardedModule(pool, spec)
+            io_before = read_chars(pool)
             t0 = time.perf_counter()
             loads = model.load()
             t_slices = time.perf_counter() - t0
+            disk_read = [a - b for a, b in zip(read_chars(pool), io_before)]
             after = rss(pool)
             t_split = timed(lambda: model(**inputs, return_dict=False), args.steps)
             unsplit = ShardedModule(pool, ModelSpec(**{**spec.__dict__, "split_batch": False}), handle="unsplit")
@@ -145,8 +152,9 @@ def main() -> None:
           + f" (1/{n} of model = {format_bytes(ckpt // n)})")
     print("peak RSS per rank after sampling: " + ", ".join(format_bytes(p) for p in peak))
     print(f"load: per-rank slices {t_slices:.2f} s vs rank-0 load + broadcast {t_broadcast:.2f} s -> ratio "
-          f"{t_slices / t_broadcast:.2f}; read per rank " + ", ".join(format_bytes(r["report"]["bytes_read"])
-                                                                       for r in loads)
+          f"{t_slices / t_broadcast:.2f}; read per rank, counted by the kernel (rchar) "
+          + ", ".join(f"{format_bytes(b)} ({b / ckpt:.3f} x file)" for b in disk_read)
+          + ", by the loader " + ", ".join(format_bytes(r["report"]["bytes_read"]) for r in loads)
           + "; RSS added per rank by rank-0 load + broadcast "
           + ", ".join(format_bytes(a - b) for a, b in zip(bc_rss, bc_before)))
     print(f"host<->rank overhead: 10 MB latent round trip {t_echo * 1e3:.2f} ms (target <= 5 ms), "
