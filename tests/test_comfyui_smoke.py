@@ -77,8 +77,14 @@ def saved_latent(server: ComfyServer, entry: dict[str, Any], node: str) -> torch
     return load_file(str(server.output_dir / item["subfolder"] / item["filename"]))["latent_tensor"]
 
 
+def plain_log(server: ComfyServer) -> str:
+    """The server log without the colours and level tags ComfyUI >= 0.33 puts before each line."""
+    log = re.sub(r"\x1b\[[0-9;]*m", "", server.log())
+    return re.sub(r"^\[(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\] ?", "", log, flags=re.MULTILINE)
+
+
 def test_comfyui_loads_the_pack_under_a_hyphenated_name(server: ComfyServer) -> None:
-    log, pack = server.log(), str(server.pack_dir)
+    log, pack = plain_log(server), str(server.pack_dir)
     assert Path(pack).resolve() == Path(__file__).resolve().parents[1]
     lines = log.splitlines()
     about_pack = [i for i, line in enumerate(lines) if pack in line]

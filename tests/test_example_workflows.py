@@ -136,6 +136,8 @@ def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfySer
                 assert opts.get("min", value) <= value <= opts.get("max", value), (kind, key, value)
             elif typ == "BOOLEAN":
                 assert isinstance(value, bool), (kind, key)
+            elif typ == "COMFY_DYNAMICCOMBO_V3":   # ComfyUI >= 0.33 (SaveVideo's format): one of the option keys
+                assert value in [o["key"] for o in opts["options"]], (kind, key, value)
             else:
                 assert typ == "STRING" and isinstance(value, str), (kind, key, typ)
 

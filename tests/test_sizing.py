@@ -321,6 +321,10 @@ def _comfyui_path() -> Path | None:
     return None
 
 
+LTXV_VAE_STATISTICS = {f"per_channel_statistics.{k}" for k in
+                       ("channel", "mean-of-stds", "mean-of-stds_over_std-of-means")}
+
+
 @pytest.mark.comfyui
 def test_full_layouts_match_comfyui_modules():
     """Build ComfyUI's own modules on the meta device and compare every key and shape with our layouts."""
@@ -369,7 +373,12 @@ def test_full_layouts_match_comfyui_modules():
             "ltxv_2b": L.ltxv_2b(), "ltxv_13b": L.ltxv_13b(), "umt5_xxl": L.umt5_xxl(), "t5_xxl": L.t5_xxl(),
             "wan_vae": L.wan_vae(), "wan22_vae": L.wan_vae("2.2"), "ltxv_vae": L.ltxv_vae()}
     for name, layout in ours.items():
-        assert {k: list(s) for k, (s, _) in layout.items()} == theirs[name], name
+        shapes = {k: list(s) for k, (s, _) in layout.items()}
+        if name == "ltxv_vae":   # in the released files; ComfyUI >= 0.33's VideoVAE no longer registers (ignores) them
+            dropped = {k: v for k, v in shapes.items() if k not in theirs[name]}
+            assert set(dropped) <= LTXV_VAE_STATISTICS, (name, sorted(dropped))
+            shapes = {k: v for k, v in shapes.items() if k not in dropped}
+        assert shapes == theirs[name], name
 
 
 def test_diffusers_wan_layout_is_detected(tmp_path):

@@ -131,8 +131,7 @@ def test_plan_chart_is_drawn_in_the_node(page, comfyui_server: ComfyServer):
     assert not page.mgpu_errors or all("reading 'id'" in e for e in page.mgpu_errors), page.mgpu_errors
 
     # the chart is a view, not a value: the saved workflow keeps the Plan node's widgets_values as they were
-    saved = page.evaluate("(id) => window.comfyAPI.app.app.graph.serialize().nodes.find((n) => n.id === id)",
-                          plan_id)
+    saved = page.evaluate("(id) => window.comfyAPI.app.app.graph.getNodeById(id).serialize()", plan_id)
     assert len(saved["widgets_values"]) == 12 and saved["widgets_values"][9] == "2x24GiB,cpu=64GiB"
 
 
