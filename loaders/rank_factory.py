@@ -20,11 +20,17 @@ from mgpu.errors import MgpuError, ShardingError
 from mgpu.sizing import read_header
 from mgpu.slice_load import SAFETENSORS_DTYPES
 
-# Flags of the host's ComfyUI that change how the network computes; the ranks get the same values.
+# Flags of the host's ComfyUI that change how the network computes (precision, attention, kernels); the ranks get
+# the same values, so sharded and stock compute agree. Boolean flags, plus ENUM_SET_FLAGS.
 NUMERIC_FLAGS = ("force_fp32", "force_fp16", "fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet",
-                 "fp8_e5m2_unet", "fp8_e8m0fnu_unet", "use_split_cross_attention", "use_quad_cross_attention",
-                 "use_pytorch_cross_attention", "use_sage_attention", "use_flash_attention", "disable_xformers",
-                 "force_upcast_attention", "dont_upcast_attention", "deterministic")
+                 "fp8_e5m2_unet", "fp8_e8m0fnu_unet", "supports_fp8_compute", "use_split_cross_attention",
+                 "use_quad_cross_attention", "use_pytorch_cross_attention", "use_sage_attention", "use_flash_attention",
+                 "use_ck_attention", "disable_xformers", "force_upcast_attention", "dont_upcast_attention",
+                 "enable_triton_backend", "disable_triton_backend", "deterministic", "fast")
+# Flags whose value is a set of enum members of comfy.cli_args (``--fast fp16_accumulation ...``): they travel as
+# sorted lists of the members' values and become sets of members again on the rank.
+ENUM_SET_FLAGS = {"fast": "PerformanceFeature"}
+Flags = dict[str, bool | list[str]]
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -32,16 +38,38 @@ def dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def numeric_flags(args: object) -> dict[str, bool]:
-    """The NUMERIC_FLAGS of a ComfyUI ``comfy.cli_args.args`` that this ComfyUI version has."""
-    return {k: getattr(args, k) for k in NUMERIC_FLAGS if isinstance(getattr(args, k, None), bool)}
+def numeric_flags(args: object) -> Flags:
+    """The NUMERIC_FLAGS of a ComfyUI ``comfy.cli_args.args`` that this ComfyUI version has, as plain data."""
+    flags: Flags = {}
+    for key in NUMERIC_FLAGS:
+        value = getattr(args, key, None)
+        if key in ENUM_SET_FLAGS and isinstance(value, (set, frozenset, list, tuple)):
+            flags[key] = sorted(str(member.value) for member in value)
+        elif isinstance(value, bool):
+            flags[key] = value
+    return flags
 
 
-def _setup(device: str, flags: dict[str, bool]) -> torch.device:
+def restore_flags(flags: Flags, cli_args) -> dict[str, object]:
+    """``numeric_flags`` back into the values ``cli_args`` (the module ``comfy.cli_args``) holds: enum sets again."""
+    return {key: _members(getattr(cli_args, ENUM_SET_FLAGS[key]), value, key) if key in ENUM_SET_FLAGS else value
+            for key, value in flags.items()}
+
+
+def _members(enum: type, values: list[str], flag: str) -> set:
+    known = {member.value: member for member in enum}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise MgpuError(f"the ComfyUI on the FSDP ranks has no --{flag} {' '.join(unknown)}: they import another "
+                        "ComfyUI than the host's; check PoolConfig.extra_sys_path and PYTHONPATH")
+    return {known[v] for v in values}
+
+
+def _setup(device: str, flags: Flags) -> torch.device:
     """Give ComfyUI on this rank the host's numeric flags and this rank's device, then import it."""
     import comfy.cli_args
 
-    for key, value in flags.items():
+    for key, value in restore_flags(flags, comfy.cli_args).items():
         setattr(comfy.cli_args.args, key, value)
     comfy.cli_args.args.cpu = torch.device(device).type == "cpu"
     import comfy.model_management  # reads the flags above at import
@@ -128,7 +156,7 @@ def agree_dtype(replies: list[dict], devices: list[str]) -> tuple[str, str | Non
                     "on MGPU Load Diffusion Model, or shard over GPUs of the same kind")
 
 
-def diffusion_model(checkpoint: str, unet_dtype: str, devices: list[str], flags: dict[str, bool]) -> nn.Module:
+def diffusion_model(checkpoint: str, unet_dtype: str, devices: list[str], flags: Flags) -> nn.Module:
     """FSDP factory (``ModelSpec.factory``, run under ``mgpu.fsdp.build_meta``): ComfyUI's network for the
     checkpoint, stored in ``unet_dtype``, with the operations ComfyUI picks for this rank's device."""
     import torch.distributed as dist

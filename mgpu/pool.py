@@ -6,8 +6,14 @@ Ranks are clean interpreters (``python -m mgpu.rank``) with the folder that cont
 unpickled in the child (both measured with ComfyUI 0.3.64). A clean interpreter works whatever folder name the pack
 was cloned into, and needs only plain data from us.
 
-The host never joins a collective. It talks to each rank over its own authenticated channel (an AF_UNIX socket in a
-private directory; loopback TCP where there is no AF_UNIX) and moves tensors through ``mgpu.shm``. Every wait polls
+Linux only (WSL2 included): the ranks rely on PR_SET_PDEATHSIG, flock, AF_UNIX and /dev/shm, so a pool refuses to
+start elsewhere, before anything runs; the rest of the pack (planning, single-device loading) works everywhere.
+
+Nothing listens on the network. The ranks meet through a ``torch.distributed.FileStore`` in the pool's private 0700
+directory, and gloo / NCCL are pinned to the loopback interface. The host never joins a collective. It talks to each
+rank over its own channel (an AF_UNIX socket in that directory; loopback TCP when the path is too long for AF_UNIX),
+authenticated with a per-pool key that reaches the ranks on stdin; a connection that fails the challenge or stays
+silent for ``HANDSHAKE_TIMEOUT_S`` is dropped. Tensors travel through ``mgpu.shm``. Every wait polls
 the rank processes, so a dead rank is reported as soon as it dies rather than at the timeout. Any failure that may
 leave ranks inconsistent (a death, a timeout, some ranks failing while others did not) tears the whole pool down,
 since the survivors are likely stuck in a collective; the next call starts a fresh pool and bumps ``generation`` so
@@ -27,6 +33,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -35,6 +42,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from pathlib import Path
 from queue import SimpleQueue
@@ -43,7 +51,7 @@ import psutil
 import torch
 
 from . import shm
-from .errors import DeviceSpecError, RankFailure
+from .errors import DeviceSpecError, MgpuError, RankFailure
 from .rank import dumps, recv
 
 log = logging.getLogger(__name__)
@@ -52,15 +60,23 @@ SHUTDOWN_GRACE_S = 5.0     # a rank asked to stop gets this long before SIGTERM
 KILL_GRACE_S = 2.0         # then this long before SIGKILL
 STACK_DUMP_WAIT_S = 0.3    # after asking a timed-out rank for its stacks
 LOG_TAIL_BYTES = 4000
+HANDSHAKE_TIMEOUT_S = 5.0  # a channel connection that has not authenticated and said hello by then is dropped
+# The ranks' allocator, whatever the host's: ComfyUI sets backend:cudaMallocAsync for itself, while FSDP's all-gather
+# buffers of varying size fragment least with expandable segments. The variable MGPU_RANK_ALLOC_CONF (empty: torch's
+# defaults) or PoolConfig.env overrides it.
+RANK_ALLOC_CONF = "expandable_segments:True"
+# torch >= 2.9 reads both (its CUDA allocator the second first, its generic settings the first first); older only
+# the second. Both get the same value.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+PLATFORM_NAMES = {"win32": "Windows", "cygwin": "Windows (Cygwin)", "darwin": "macOS"}
 
 
 @dataclass
 class PoolConfig:
-    """How to start the ranks. ``master_port`` 0 picks a free port; the rendezvous stays on ``master_addr``."""
+    """How to start the ranks. ``env`` is added to the ranks' environment; its allocator (PYTORCH_ALLOC_CONF or
+    PYTORCH_CUDA_ALLOC_CONF), GLOO/NCCL_SOCKET_IFNAME and OMP_NUM_THREADS win over the pool's choices."""
     devices: list[str]               # one rank per entry: ["cpu", "cpu"] or ["cuda:0", "cuda:1"]
     backend: str | None = None       # None: "nccl" when all ranks are cuda, else "gloo"
-    master_addr: str = "127.0.0.1"   # rendezvous; loopback keeps it off the network
-    master_port: int = 0             # 0: pick a free port
     call_timeout_s: float = 300.0
     start_timeout_s: float = 120.0
     extra_sys_path: list[str] = field(default_factory=list)   # prepended on the ranks (e.g. a ComfyUI checkout)
@@ -117,7 +133,12 @@ def _popen(*args, **kwargs) -> subprocess.Popen:
 
 
 def _validate(config: PoolConfig) -> tuple[str, str]:
-    """Check the devices before starting anything; returns (backend, mesh device type)."""
+    """Check the platform and devices before starting anything; returns (backend, mesh device type)."""
+    if not sys.platform.startswith("linux"):
+        host = PLATFORM_NAMES.get(sys.platform, sys.platform)
+        raise MgpuError(f"sharding a model over ranks (FSDP on {', '.join(config.devices) or 'no devices'}) needs "
+                        f"Linux, and this ComfyUI runs on {host}: run ComfyUI under Linux or WSL2 to shard it, or "
+                        "load the model on one device")
     if not config.devices:
         raise DeviceSpecError("PoolConfig.devices is empty: give one entry per rank, e.g. ['cuda:0', 'cuda:1'] or "
                               "['cpu', 'cpu']")
@@ -151,29 +172,31 @@ def _validate(config: PoolConfig) -> tuple[str, str]:
     return backend, "cuda" if all_cuda else "cpu"
 
 
-def _rendezvous_socket(addr: str, port: int) -> socket.socket:
-    """Bind the rendezvous store's listening socket here and hand it to rank 0: a busy port fails now, fast and
-    named, a free port (port 0) cannot be taken by someone else before rank 0 listens, and it stays on ``addr``."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the TCPStore does: TIME_WAIT is not busy
-    try:
-        sock.bind((addr, port))
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise RankFailure(f"cannot use rendezvous address {addr}:{port}: {exc.strerror}. Set "
-                          "PoolConfig.master_port to 0 to pick a free port, or choose another port") from exc
-    return sock
-
-
-def _interface_of(addr: str) -> str | None:
-    """The network interface that owns ``addr``: gloo and NCCL open their own listening sockets on whatever
-    interface the hostname resolves to, so pin them to the rendezvous interface (loopback by default)."""
+def _loopback_interface() -> str | None:
+    """The network interface of 127.0.0.1: gloo and NCCL open their own listening sockets on whatever interface the
+    hostname resolves to unless told one."""
     for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == addr for a in addrs):
+        if any(a.address == "127.0.0.1" for a in addrs):
             return name
     return None
+
+
+def _alloc_env(env: dict[str, str], explicit: dict[str, str]) -> dict[str, str]:
+    """The allocator settings of the ranks, the same in both variables torch reads: ``explicit`` (PoolConfig.env)
+    first, else MGPU_RANK_ALLOC_CONF, else RANK_ALLOC_CONF. Never the host's own: ComfyUI set that for itself. An
+    empty value leaves torch's defaults."""
+    conf = next((explicit[v] for v in ALLOC_CONF_VARS if v in explicit),
+                env.get("MGPU_RANK_ALLOC_CONF", RANK_ALLOC_CONF))
+    return dict.fromkeys(ALLOC_CONF_VARS, conf) if conf else {}
+
+
+def _set_io_timeout(fd: int, seconds: float) -> None:
+    """Kernel-side send/receive timeout on a blocking socket (0: none), so the blocking reads of
+    ``multiprocessing.connection`` give up with an OSError instead of waiting forever."""
+    timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    with socket.socket(fileno=os.dup(fd)) as sock:    # options belong to the socket, shared by every fd of it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _signal_name(returncode: int | None) -> str | None:
@@ -233,15 +256,12 @@ class RankPool:
             if self._ranks:
                 return
             backend, mesh_device_type = _validate(self.config)
-            store = _rendezvous_socket(self.config.master_addr, self.config.master_port)
             try:
-                self._launch(backend, mesh_device_type, store)
+                self._launch(backend, mesh_device_type)
                 self._gather("start-up", self.config.start_timeout_s)
             except BaseException:
                 self._teardown(graceful=False)
                 raise
-            finally:
-                store.close()             # rank 0 has its own copy
             self._generation += 1
 
     def call(self, op: str, payload: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
@@ -274,11 +294,11 @@ class RankPool:
 
     # --- internals -------------------------------------------------------------------------------------------
 
-    def _launch(self, backend: str, mesh_device_type: str, store: socket.socket) -> None:
+    def _launch(self, backend: str, mesh_device_type: str) -> None:
         cfg = self.config
         for parent in (shm.shm_parent(), tempfile.gettempdir()):
             shm.sweep_stale(parent)
-        work_dir = shm.private_dir(tempfile.gettempdir())            # logs, socket, spill segments
+        work_dir = shm.private_dir(tempfile.gettempdir())            # logs, socket, store, spill segments
         self._dirs = [work_dir]
         segment_dirs = [work_dir]
         if shm.shm_parent() != tempfile.gettempdir():
@@ -287,25 +307,18 @@ class RankPool:
         self._inputs = shm.SegmentPool(segment_dirs)
         channel = self._listen(work_dir)
         authkey = secrets.token_bytes(32)
-        env = self._rank_env(backend)
-        port = store.getsockname()[1]
-        if os.name != "posix":
-            store.close()             # no fd passing: rank 0 binds the (checked) port itself
+        env = self._rank_env()
         for rank, device in enumerate(cfg.devices):
             log_path = os.path.join(work_dir, f"rank{rank}.log")
             argv = [sys.executable, "-m", "mgpu.rank", "--rank", str(rank), "--world-size", str(self.world_size),
                     "--device", device, "--backend", backend, "--mesh-device-type", mesh_device_type,
-                    "--master-addr", cfg.master_addr, "--master-port", str(port),
+                    "--store-file", os.path.join(work_dir, "store"),
                     "--channel", channel, "--host-pid", str(os.getpid()),
                     "--timeout", str(max(cfg.start_timeout_s, cfg.call_timeout_s)),
                     "--segment-dirs", *segment_dirs, "--imports", *cfg.imports]
-            pass_fds = (store.fileno(),) if rank == 0 and os.name == "posix" else ()
-            if pass_fds:
-                argv += ["--store-fd", str(store.fileno())]
             with open(log_path, "wb") as log:
                 proc = _popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              cwd=work_dir,    # cwd lands on sys.path[0]: keep the caller's folder from shadowing
-                              pass_fds=pass_fds)
+                              cwd=work_dir)    # cwd lands on sys.path[0]: keep the caller's folder from shadowing
             self._ranks.append(_Rank(rank, device, proc, log_path))
             proc.stdin.write(authkey.hex().encode() + b"\n")
             proc.stdin.close()
@@ -321,11 +334,11 @@ class RankPool:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("127.0.0.1", 0))
             address = f"tcp:127.0.0.1:{sock.getsockname()[1]}"
-        sock.listen(self.world_size)
+        sock.listen(self.world_size + 16)   # room for the ranks behind strangers being turned away
         self._listener = sock
         return address
 
-    def _rank_env(self, backend: str) -> dict[str, str]:
+    def _rank_env(self) -> dict[str, str]:
         cfg = self.config
         package_parent = str(Path(__file__).resolve().parent.parent)   # the folder that contains mgpu/
         env = {**os.environ, **cfg.env}
@@ -336,15 +349,18 @@ class RankPool:
         cpu_ranks = sum(d == "cpu" for d in cfg.devices)
         if cpu_ranks:  # cpu ranks share the host's cores: N ranks x all-cores threads thrash
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cpu_ranks)))
-        interface = _interface_of(cfg.master_addr if ":" in cfg.master_addr else socket.gethostbyname(cfg.master_addr))
-        if interface:
-            env.setdefault("GLOO_SOCKET_IFNAME", interface)
-            if backend == "nccl":
-                env.setdefault("NCCL_SOCKET_IFNAME", interface)
+        for var in ALLOC_CONF_VARS:
+            env.pop(var, None)
+        env.update(_alloc_env(env, cfg.env))
+        interface = _loopback_interface()
+        if interface:   # over the host's own setting too (meant for other jobs): ranks never talk off this machine
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                env[var] = cfg.env.get(var, interface)
         return env
 
     def _accept(self, authkey: bytes, deadline: float) -> None:
-        """Take one authenticated connection per rank, noticing ranks that die before connecting."""
+        """Take one authenticated connection per rank, noticing ranks that die before connecting. Anyone else who
+        connects (the TCP fallback is open to every local user) is dropped within HANDSHAKE_TIMEOUT_S."""
         pending = {r.rank for r in self._ranks}
         while pending:
             self._raise_if_dead("start-up", pending)
@@ -355,13 +371,12 @@ class RankPool:
                 sock, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            sock.setblocking(True)
-            conn = Connection(sock.detach())
-            deliver_challenge(conn, authkey)
-            answer_challenge(conn, authkey)
-            hello = recv(conn)
-            self._ranks[hello["rank"]].conn = conn
-            pending.discard(hello["rank"])
+            limit = max(POLL_S, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic()))
+            accepted = _handshake(sock, authkey, pending, limit)
+            if accepted is not None:
+                rank, conn = accepted
+                self._ranks[rank].conn = conn
+                pending.discard(rank)
 
     def _raise_if_dead(self, op: str, ranks: set[int]) -> None:
         for rank in sorted(ranks):
@@ -499,6 +514,30 @@ class RankPool:
         for directory in self._dirs:
             shm.remove_private_dir(directory)
         self._dirs = []
+
+
+def _handshake(sock: socket.socket, authkey: bytes, pending: set[int],
+               seconds: float) -> tuple[int, Connection] | None:
+    """(rank, channel) of a connection that proves it holds ``authkey`` and says hello as a pending rank within
+    ``seconds``; anything else is closed, logged, and None."""
+    sock.setblocking(True)
+    _set_io_timeout(sock.fileno(), seconds)
+    conn = Connection(sock.detach())
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        hello = recv(conn)
+        rank = hello["rank"] if isinstance(hello, dict) and hello.get("kind") == "hello" else None
+        if rank not in pending:
+            raise ValueError(f"unexpected first message {hello!r}")
+    except (AuthenticationError, OSError, EOFError, ValueError) as exc:
+        why = "silent" if isinstance(exc, BlockingIOError) else f"{type(exc).__name__}: {exc}"   # SO_RCVTIMEO
+        log.warning("mgpu: dropped a connection to the rank channel that did not authenticate as a rank within "
+                    "%gs (%s); start-up goes on", seconds, why)
+        conn.close()
+        return None
+    _set_io_timeout(conn.fileno(), 0)
+    return rank, conn
 
 
 def _exited(r: _Rank) -> bool:

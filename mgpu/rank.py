@@ -169,10 +169,9 @@ def _init_context(args: argparse.Namespace) -> RankContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=args.timeout)
-    # Rank 0 serves the store on the socket the host bound (loopback by default); left to itself the TCPStore
-    # would listen on every interface.
-    listen = {"master_listen_fd": args.store_fd} if args.store_fd is not None else {}
-    store = dist.TCPStore(args.master_addr, args.master_port, args.world_size, args.rank == 0, timeout, **listen)
+    # A file in the pool's private 0700 directory: no port to bind, and nobody but this user can join the group.
+    store = dist.FileStore(args.store_file, args.world_size)
+    store.set_timeout(timeout)
     extra = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=timeout,
                             **extra)
@@ -215,9 +214,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", required=True)
     p.add_argument("--backend", required=True, choices=["gloo", "nccl"])
     p.add_argument("--mesh-device-type", required=True)
-    p.add_argument("--master-addr", required=True)
-    p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--store-fd", type=int, help="rank 0: inherited listening socket for the rendezvous store")
+    p.add_argument("--store-file", required=True, help="rendezvous FileStore, in the pool's private directory")
     p.add_argument("--channel", required=True, help="unix:/path or tcp:host:port of the host's command channel")
     p.add_argument("--host-pid", type=int, required=True)
     p.add_argument("--segment-dirs", nargs="+", required=True)

@@ -18,7 +18,6 @@ length of a call. Free segments are reused; past ``MAX_FREE`` or ``KEEP_BYTES`` 
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import re
@@ -32,6 +31,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import MgpuError
+
+try:
+    import fcntl
+except ImportError:           # Windows: the pack must still import there; the rank pool refuses to start
+    fcntl = None
 
 ALIGN = 64                    # every tensor starts on a cache line (and at any dtype's alignment)
 MIN_SEGMENT = 1 << 20
@@ -72,7 +76,8 @@ def private_dir(parent: str) -> str:
     can then tell a live owner from a dead one, also across PID namespaces sharing /dev/shm or /tmp."""
     path = tempfile.mkdtemp(prefix=f"mgpu-{os.getpid()}-", dir=parent)
     fd = os.open(os.path.join(path, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
     _HELD_LOCKS[path] = fd
     return path
 
@@ -101,8 +106,11 @@ def _owner_alive(path: str) -> bool:
 
 
 def sweep_stale(parent: str) -> list[str]:
-    """Remove our private directories whose owning process is gone (a host killed before it could clean up)."""
+    """Remove our private directories whose owning process is gone (a host killed before it could clean up).
+    Without flock a live owner cannot be told from a dead one, so nothing is removed."""
     removed = []
+    if fcntl is None:
+        return removed
     try:
         entries = list(os.scandir(parent))
     except OSError:

@@ -17,6 +17,7 @@ from loaders.rank_factory import (
     agree_dtype,
     meta_state_dict,
     numeric_flags,
+    restore_flags,
 )
 from mgpu.errors import MgpuError, RankFailure
 
@@ -70,9 +71,26 @@ def test_a_forced_dtype_the_ranks_compute_differently_is_refused_with_the_device
 
 
 def test_only_the_host_flags_that_change_numerics_travel_to_the_ranks() -> None:
+    import enum
+    import json
+
+    class PerformanceFeature(enum.Enum):   # as comfy.cli_args has it
+        Fp16Accumulation = "fp16_accumulation"
+        AutoTune = "autotune"
+        CublasOps = "cublas_ops"
+
+    fast = {PerformanceFeature.CublasOps, PerformanceFeature.Fp16Accumulation}
     args = SimpleNamespace(force_fp32=True, bf16_unet=False, use_pytorch_cross_attention=True, listen="0.0.0.0",
-                           cpu=True, preview_method="auto", fp8_e4m3fn_unet=None)
-    assert numeric_flags(args) == {"force_fp32": True, "bf16_unet": False, "use_pytorch_cross_attention": True}
+                           cpu=True, preview_method="auto", fp8_e4m3fn_unet=None, fast=fast, reserve_vram=2.0)
+    flags = numeric_flags(args)
+    assert flags == {"force_fp32": True, "bf16_unet": False, "use_pytorch_cross_attention": True,
+                     "fast": ["cublas_ops", "fp16_accumulation"]}
+    assert json.loads(json.dumps(flags)) == flags   # plain data: no ComfyUI class crosses to the ranks
+    cli_args = SimpleNamespace(PerformanceFeature=PerformanceFeature)
+    assert restore_flags(json.loads(json.dumps(flags)), cli_args) == {**flags, "fast": fast}
+    assert restore_flags({"fast": []}, cli_args) == {"fast": set()}
+    with pytest.raises(MgpuError, match="no --fast fp8_matrix_mult: they import another ComfyUI"):
+        restore_flags({"fast": ["fp8_matrix_mult"]}, cli_args)
     assert "cpu" not in NUMERIC_FLAGS   # each rank sets it for its own device
 
 

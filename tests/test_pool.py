@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import statistics
 import subprocess
 import sys
@@ -24,9 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge
+
 from mgpu import shm
-from mgpu.errors import DeviceSpecError, RankFailure
-from mgpu.pool import PoolConfig, RankPool
+from mgpu.errors import DeviceSpecError, MgpuError, RankFailure
+from mgpu.pool import HANDSHAKE_TIMEOUT_S, PoolConfig, RankPool
 from mgpu.rank import register_op
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -62,6 +66,10 @@ def op_sleep(ctx, payload, tensors):
         time.sleep(payload["seconds"])
     if payload.get("collective"):
         dist.all_reduce(torch.ones(1), group=ctx.group)
+
+
+def op_env(ctx, payload, tensors):
+    return {name: os.environ.get(name) for name in payload["names"]}
 
 
 @register_op("test_pool.store")
@@ -221,15 +229,27 @@ def test_every_rank_raising_reports_traceback_and_keeps_the_pool(pool):
         pool.call("no_such_op")
 
 
-def test_rendezvous_and_every_socket_stay_on_loopback(pool):
-    assert PoolConfig(["cpu"]).master_addr == "127.0.0.1"
+def test_every_socket_the_ranks_own_stays_on_loopback(pool):
     listening = []
     for pid in pids(pool):
         proc = psutil.Process(pid)
         conns = proc.net_connections(kind="inet") if hasattr(proc, "net_connections") else proc.connections("inet")
         listening += [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
         assert all(loopback(c.laddr.ip) for c in conns), conns
-    assert listening, "rank 0 should be listening (TCPStore)"
+    assert listening, "gloo's listening sockets should be there to check"
+
+
+def test_the_rendezvous_is_a_file_in_the_pools_private_directory(pool):
+    stores = set()
+    for pid in pids(pool):
+        argv = psutil.Process(pid).cmdline()
+        assert not any(a.startswith("--master") for a in argv)
+        stores.add(argv[argv.index("--store-file") + 1])
+    (store,) = stores                                    # one store for all ranks
+    directory = os.path.dirname(store)
+    assert directory in pool_dirs(os.getpid()) and os.path.isfile(store)
+    info = os.stat(directory)
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
 
 
 def test_report_10mb_round_trip_overhead(pool, capsys):
@@ -329,16 +349,118 @@ def test_rank_failing_to_start_reports_its_traceback_and_leaves_nothing_running(
     assert set(psutil.Process().children()) <= children
 
 
-def test_busy_rendezvous_port_fails_fast_with_the_port_named():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        pool = make_pool(master_port=port)
-        t0 = time.monotonic()
-        with pytest.raises(RankFailure, match=f"127.0.0.1:{port}.*master_port"):
-            pool.start()
-        assert time.monotonic() - t0 < 2 and not pool.alive
+def _wrong_key_client(sock: socket.socket, outcome: list) -> None:
+    try:
+        answer_challenge(Connection(sock.detach()), b"not the pool's key")
+    except (AuthenticationError, OSError, EOFError) as exc:
+        outcome.append(exc)
+
+
+def _read_until_closed(sock: socket.socket, seconds: float) -> bool:
+    """Whether the other end closed ``sock`` within ``seconds`` (whatever it sent before)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:       # closed with our bytes unread
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_strangers_on_the_tcp_channel_are_dropped_and_start_up_goes_on(tmp_path, monkeypatch):
+    """A temp dir too long for an AF_UNIX path puts the channel on loopback TCP, where any local user can connect.
+    Three strangers connect before the ranks: one stays silent, one has the wrong key, one sends garbage."""
+    long_tmp = tmp_path / ("t" * 100)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    strangers: list[socket.socket] = []
+    wrong_key: list[Exception] = []
+    listen = RankPool._listen
+
+    def listen_then_knock(self, work_dir):
+        address = listen(self, work_dir)
+        assert address.startswith("tcp:127.0.0.1:"), address
+        target = ("127.0.0.1", int(address.rpartition(":")[2]))
+        strangers.append(socket.create_connection(target))                 # says nothing
+        threading.Thread(target=_wrong_key_client, args=(socket.create_connection(target), wrong_key),
+                         daemon=True).start()
+        strangers.append(socket.create_connection(target))
+        strangers[-1].sendall(b"\xff" * 64)                               # not a message at all
+        return address
+
+    monkeypatch.setattr(RankPool, "_listen", listen_then_knock)
+    pool = make_pool()
+    outcome: list = []
+    starter = threading.Thread(target=lambda: outcome.append(_try(pool.start)), daemon=True)
+    t0 = time.monotonic()
+    starter.start()
+    starter.join(timeout=120 + 3 * HANDSHAKE_TIMEOUT_S)
+    try:
+        assert not starter.is_alive(), "start-up hung on a stranger's connection"
+        assert outcome == [None], outcome
+        assert pool.generation == 1 and [r.rank for r in pool.call("ping")] == [0, 1]
+        assert len(wrong_key) == 1                      # refused, and told so
+        assert all(_read_until_closed(s, 1.0) for s in strangers)
+        print(f"\n[start-up past 3 strangers] {time.monotonic() - t0:.1f} s")
+    finally:
+        pool.close()
+        for s in strangers:
+            s.close()
+
+
+def _try(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:   # noqa: BLE001 - reported by the test
+        return exc
+    return None
+
+
+def test_ranks_get_their_own_allocator_and_loopback_whatever_the_host_env(monkeypatch):
+    """ComfyUI's cuda_malloc.py sets backend:cudaMallocAsync for itself; a GLOO_SOCKET_IFNAME set for other jobs
+    would move gloo off loopback (here: to an interface that does not exist, so the ranks would not start)."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface0")
+    names = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME"]
+    pool = RankPool(PoolConfig(["cpu"], extra_sys_path=[TESTS]))
+    try:
+        env = pool.call("test_pool:op_env", {"names": names})[0].payload
+    finally:
+        pool.close()
+    loopback_names = [n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)]
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                   "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "GLOO_SOCKET_IFNAME": loopback_names[0]}
+
+
+def test_the_rank_allocator_follows_pool_config_env_then_mgpu_rank_alloc_conf(monkeypatch):
+    monkeypatch.setenv("MGPU_RANK_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    names = ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
+    explicit = RankPool(PoolConfig(["cpu"], extra_sys_path=[TESTS],
+                                   env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}))
+    documented = RankPool(PoolConfig(["cpu"], extra_sys_path=[TESTS]))
+    try:
+        assert explicit.call("test_pool:op_env", {"names": names})[0].payload == dict.fromkeys(
+            names, "expandable_segments:False")
+        explicit.close()
+        assert documented.call("test_pool:op_env", {"names": names})[0].payload == dict.fromkeys(
+            names, "garbage_collection_threshold:0.6")
+    finally:
+        explicit.close()
+        documented.close()
+
+
+@pytest.mark.parametrize("platform", ["win32", "darwin"])
+def test_a_pool_on_a_host_other_than_linux_says_so_before_starting_anything(monkeypatch, platform):
+    children, dirs = set(psutil.Process().children()), pool_dirs(os.getpid())
+    monkeypatch.setattr(sys, "platform", platform)
+    with pytest.raises(MgpuError, match=r"FSDP on cuda:0, cuda:1\) needs Linux.*Linux or WSL2"):
+        RankPool(PoolConfig(["cuda:0", "cuda:1"])).start()
+    monkeypatch.undo()
+    assert set(psutil.Process().children()) <= children and pool_dirs(os.getpid()) == dirs
 
 
 def test_more_ranks_than_gpus_fails_before_starting():
