@@ -34,5 +34,14 @@ class RankFailure(MgpuError, RuntimeError):
         self.traceback = traceback
 
 
+class CallCancelled(MgpuError):
+    """The caller cancelled a rank call (ComfyUI's Cancel). ``pool_kept``: the ranks stopped together at a block
+    boundary and keep their models; otherwise the pool was shut down and restarts on next use."""
+
+    def __init__(self, message: str, pool_kept: bool):
+        super().__init__(message)
+        self.pool_kept = pool_kept
+
+
 class ShardingError(MgpuError, ValueError):
     """The model cannot be sharded as asked: no block list, checkpoint keys that do not match, ..."""

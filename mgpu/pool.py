@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import mmap
 import os
 import secrets
 import signal
@@ -40,6 +41,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
@@ -51,13 +53,14 @@ import psutil
 import torch
 
 from . import shm
-from .errors import DeviceSpecError, MgpuError, RankFailure
+from .errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
 from .rank import dumps, recv
 
 log = logging.getLogger(__name__)
 POLL_S = 0.1
 SHUTDOWN_GRACE_S = 5.0     # a rank asked to stop gets this long before SIGTERM
 KILL_GRACE_S = 2.0         # then this long before SIGKILL
+CANCEL_GRACE_S = 3.0       # a cancelled call's ranks get this long to stop at a block boundary before teardown
 STACK_DUMP_WAIT_S = 0.3    # after asking a timed-out rank for its stacks
 LOG_TAIL_BYTES = 4000
 HANDSHAKE_TIMEOUT_S = 5.0  # a channel connection that has not authenticated and said hello by then is dropped
@@ -208,6 +211,23 @@ def _signal_name(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int) -> str:
+    """What a log gained since ``offset`` (e.g. a stack dump just asked for)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(LOG_TAIL_BYTES * 4).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _tail(path: str) -> str:
     try:
         with open(path, "rb") as f:
@@ -229,6 +249,8 @@ class RankPool:
         self._listener: socket.socket | None = None
         self._inputs: shm.SegmentPool | None = None
         self._dropped_inputs: list[str] = []      # input segments unlinked since the last call: ranks must unmap
+        self._calls = 0                            # calls sent, numbered so a cancel names the one in flight
+        self._cancel_flag: mmap.mmap | None = None   # 8 bytes the ranks read: the number of the cancelled call
         _live_pools.add(self)
 
     @property
@@ -265,21 +287,27 @@ class RankPool:
             self._generation += 1
 
     def call(self, op: str, payload: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
-             timeout: float | None = None) -> list[RankReply]:
-        """Run ``op`` on every rank; one reply per rank in rank order. Raises RankFailure naming the rank(s)."""
+             timeout: float | None = None, cancelled: Callable[[], bool] | None = None) -> list[RankReply]:
+        """Run ``op`` on every rank; one reply per rank in rank order. Raises RankFailure naming the rank(s).
+
+        ``cancelled`` is polled while the ranks work (ComfyUI's interrupt flag): once it is true the ranks are asked
+        to stop (ops that call ``RankContext.raise_if_cancelled`` stop at their next check, together) and the call
+        raises CallCancelled within CANCEL_GRACE_S, tearing the pool down if they did not stop in time."""
         with self._lock:
             self.start()
             packet = self._inputs.pack(tensors)
+            self._calls += 1
             try:
                 for r in self._ranks:
                     r.to_release += r.mapper.returned()
                 message = dumps({"kind": "call", "op": op, "payload": payload or {}, "inputs": packet,
                                  "released": {r.rank: r.to_release for r in self._ranks},
-                                 "dropped": self._dropped_inputs})
+                                 "dropped": self._dropped_inputs, "call": self._calls})
                 for r in self._ranks:
                     r.to_release = []
                 self._dropped_inputs = []
-                replies = self._send_and_gather(op, message, self.config.call_timeout_s if timeout is None else timeout)
+                replies = self._send_and_gather(op, message, self.config.call_timeout_s if timeout is None else timeout,
+                                                cancelled)
             finally:
                 if packet is not None and self._inputs is not None:   # the ranks only borrowed it
                     self._dropped_inputs += self._inputs.release([packet.path])
@@ -305,6 +333,11 @@ class RankPool:
             segment_dirs.insert(0, shm.private_dir(shm.shm_parent()))
             self._dirs.append(segment_dirs[0])
         self._inputs = shm.SegmentPool(segment_dirs)
+        cancel_file = os.path.join(work_dir, "cancel")
+        with open(cancel_file, "w+b") as f:
+            f.write(bytes(8))
+            f.flush()
+            self._cancel_flag = mmap.mmap(f.fileno(), 8)
         channel = self._listen(work_dir)
         authkey = secrets.token_bytes(32)
         env = self._rank_env()
@@ -312,7 +345,7 @@ class RankPool:
             log_path = os.path.join(work_dir, f"rank{rank}.log")
             argv = [sys.executable, "-m", "mgpu.rank", "--rank", str(rank), "--world-size", str(self.world_size),
                     "--device", device, "--backend", backend, "--mesh-device-type", mesh_device_type,
-                    "--store-file", os.path.join(work_dir, "store"),
+                    "--store-file", os.path.join(work_dir, "store"), "--cancel-file", cancel_file,
                     "--channel", channel, "--host-pid", str(os.getpid()),
                     "--timeout", str(max(cfg.start_timeout_s, cfg.call_timeout_s)),
                     "--segment-dirs", *segment_dirs, "--imports", *cfg.imports]
@@ -383,7 +416,8 @@ class RankPool:
             if _exited(self._ranks[rank]):
                 raise self._death_failure(op, rank)
 
-    def _send_and_gather(self, op: str, message: bytes, timeout_s: float) -> dict[int, dict]:
+    def _send_and_gather(self, op: str, message: bytes, timeout_s: float,
+                         cancelled: Callable[[], bool] | None = None) -> dict[int, dict]:
         """Anything unexpected here (an interrupt, a garbled message) leaves the ranks out of step with us: their
         next reply would answer the wrong call. So it tears the pool down like a failure does."""
         try:
@@ -392,21 +426,27 @@ class RankPool:
                     r.conn.send_bytes(message)
                 except OSError:
                     pass              # a dead rank: _gather reports it with its exit status
-            return self._gather(op, timeout_s)
-        except RankFailure:
+            return self._gather(op, timeout_s, cancelled)
+        except (RankFailure, CallCancelled):
             raise
         except BaseException:
             self._teardown(graceful=False)
             raise
 
-    def _gather(self, op: str, timeout_s: float) -> dict[int, dict]:
-        """One message per rank. Stops early on a death, or ``error_grace_s`` after the first error."""
+    def _gather(self, op: str, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> dict[int, dict]:
+        """One message per rank. Stops early on a death, ``error_grace_s`` after the first error, or
+        CANCEL_GRACE_S after ``cancelled()`` turned true."""
         by_conn = {r.conn: r.rank for r in self._ranks}
         replies: dict[int, dict] = {}
         errors: list[int] = []           # in arrival order: the first is most likely the cause
         dead: list[int] = []
         stop = time.monotonic() + timeout_s
+        cancel_sent = False
         while len(replies) < self.world_size and not dead and time.monotonic() < stop:
+            if cancelled is not None and not cancel_sent and cancelled():
+                self._cancel_flag[:8] = self._calls.to_bytes(8, "little")
+                cancel_sent = True
+                stop = min(stop, time.monotonic() + CANCEL_GRACE_S)
             waiting = [r for r in self._ranks if r.rank not in replies]
             for conn in wait([r.conn for r in waiting], timeout=max(0.0, min(POLL_S, stop - time.monotonic()))):
                 rank = by_conn[conn]
@@ -424,6 +464,8 @@ class RankPool:
         missing = [r.rank for r in self._ranks if r.rank not in replies and r.rank not in dead]
         if not (errors or dead or missing):
             return replies
+        if cancel_sent:
+            raise self._cancel_failure(op, errors, replies, missing + dead)
         if dead:
             failure = self._death_failure(op, dead[0])
         elif errors:
@@ -450,7 +492,7 @@ class RankPool:
             how = "closed its channel"
         else:
             how = f"exited with code {returncode}"
-        tail = _tail(r.log_path)
+        tail = _tail(r.log_path) or "(the rank logged nothing)"
         when = f"during {op!r}" if op else "while idle"
         return RankFailure(f"rank {rank} ({r.device}, pid {r.proc.pid}) {how} {when}; the pool was shut down and "
                            f"restarts on next use (reload what it held).\n--- end of rank {rank} log ---\n{tail}",
@@ -471,17 +513,64 @@ class RankPool:
         return RankFailure(f"{text}\n--- rank {first.rank} traceback ---\n{reply['traceback']}",
                            rank=first.rank, device=first.device, traceback=reply["traceback"])
 
+    def _cancel_failure(self, op: str, errors: list[int], replies: dict[int, dict], unanswered: list[int]) -> MgpuError:
+        """A cancelled call: every rank stopped together (the pool stays), or some did not and the pool goes. An
+        error that is not the cancellation is still reported as the failure it is."""
+        real = [rank for rank in errors if not replies[rank].get("cancelled")]
+        if real:
+            self._teardown(graceful=False)
+            return self._error_failure(op, real, replies, unanswered)
+        if not unanswered:
+            return CallCancelled(f"{op!r} cancelled: every rank stopped at its next check; the models stay loaded",
+                                 pool_kept=True)
+        culprits, report = self._diagnose(unanswered)
+        self._teardown(graceful=False)
+        names = ", ".join(f"{rank} ({self.config.devices[rank]})" for rank in culprits)
+        return CallCancelled(f"{op!r} cancelled: rank{'s' if len(culprits) > 1 else ''} {names} did not stop within "
+                             f"{CANCEL_GRACE_S:g}s, so the pool was shut down; it restarts and reloads its models on "
+                             f"next use.\n{report}", pool_kept=False)
+
     def _timeout_failure(self, op: str, missing: list[int], seconds: float) -> RankFailure:
-        """Ask the silent ranks for their stacks (faulthandler on SIGUSR1) so the error says where they hang."""
+        """Name the rank(s) that hang, not the ones waiting for them in a collective, with where each one is."""
+        culprits, report = self._diagnose(missing)
+        names = ", ".join(f"{rank} ({self._ranks[rank].device})" for rank in culprits)
+        return RankFailure(f"rank{'s' if len(culprits) > 1 else ''} {names} did not answer {op!r} within "
+                           f"{seconds:g}s; the pool was shut down and restarts on next use.\n{report}",
+                           rank=culprits[0], device=self._ranks[culprits[0]].device)
+
+    def _diagnose(self, silent: list[int]) -> tuple[list[int], str]:
+        """Which of the ``silent`` ranks hang, and a report of each with its log tail.
+
+        Each is asked for its stacks (faulthandler on SIGUSR1). One that is waiting in a torch.distributed
+        collective is waiting for another rank; one that is stopped, or cannot even dump its stacks (stuck outside
+        Python, e.g. in a GPU call), or is busy elsewhere, is the one that hangs."""
+        sizes = {rank: _size(self._ranks[rank].log_path) for rank in silent}
         if hasattr(signal, "SIGUSR1"):
-            for rank in missing:
+            for rank in silent:
                 if self._ranks[rank].proc.poll() is None:
                     self._ranks[rank].proc.send_signal(signal.SIGUSR1)
             time.sleep(STACK_DUMP_WAIT_S)
-        names = ", ".join(f"{rank} ({self._ranks[rank].device})" for rank in missing)
-        logs = "".join(f"\n--- end of rank {rank} log ---\n{_tail(self._ranks[rank].log_path)}" for rank in missing)
-        return RankFailure(f"ranks {names} did not answer {op!r} within {seconds:g}s; the pool was shut down and "
-                           f"restarts on next use.{logs}", rank=missing[0], device=self._ranks[missing[0]].device)
+        culprits, lines, logs = [], [], []
+        for rank in silent:
+            r = self._ranks[rank]
+            dump = _read_from(r.log_path, sizes[rank])
+            try:
+                stopped = psutil.Process(r.proc.pid).status() == psutil.STATUS_STOPPED
+            except psutil.NoSuchProcess:
+                stopped = False
+            if stopped:
+                state = "is stopped (SIGSTOP, or a debugger holds it)"
+            elif not dump.strip():
+                state = "did not even dump its stacks: stuck outside Python (e.g. in a GPU call or a driver)"
+            elif "torch/distributed" in dump:
+                state = "was waiting for the other ranks in a collective"
+            else:
+                state = "was busy in its op"
+            if state != "was waiting for the other ranks in a collective":
+                culprits.append(rank)
+            lines.append(f"rank {rank} ({r.device}, pid {r.proc.pid}) {state}")
+            logs.append(f"--- end of rank {rank} log ---\n{_tail(r.log_path) or '(the rank logged nothing)'}")
+        return culprits or list(silent), "\n".join(lines + logs)
 
     def _teardown(self, graceful: bool) -> None:
         """Stop every rank (ask, then SIGTERM, then SIGKILL) and delete the pool's files. Safe to repeat."""
@@ -510,6 +599,9 @@ class RankPool:
         if self._inputs is not None:
             self._inputs.close()
             self._inputs = None
+        if self._cancel_flag is not None:
+            self._cancel_flag.close()
+            self._cancel_flag = None
         self._dropped_inputs = []
         for directory in self._dirs:
             shm.remove_private_dir(directory)

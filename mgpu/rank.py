@@ -26,6 +26,7 @@ import faulthandler
 import gc
 import importlib
 import io
+import mmap
 import os
 import pickle
 import signal
@@ -51,6 +52,10 @@ _OPS: dict[str, OpFn] = {}
 PARENT_POLL_S = 0.25
 
 
+class Cancelled(Exception):
+    """The host cancelled the call in flight (ComfyUI's Cancel); every rank raises it at the same point."""
+
+
 @dataclass
 class RankContext:
     """What an op sees of its rank. ``objects`` holds models and cached tensors by handle across calls."""
@@ -62,6 +67,23 @@ class RankContext:
     group: Any                    # the default torch.distributed ProcessGroup
     mesh: Any                     # 1-D DeviceMesh over all ranks
     objects: dict[str, Any] = field(default_factory=dict)
+    control: Any = None           # a gloo group over all ranks: agreeing on a cancel costs no GPU synchronisation
+    cancel_flag: Any = None       # the host writes the number of the call it cancels here (mmap, 8 bytes)
+    call: int = 0                 # the number of the call being served
+
+    def raise_if_cancelled(self) -> None:
+        """Raise Cancelled on every rank, or on none: call it at the same point on all ranks (e.g. before each
+        block). The host's flag is read locally, then the ranks agree with one tiny CPU all-reduce, so no rank stops
+        while another goes on into a collective and hangs there."""
+        wanted = self.cancel_flag is not None and int.from_bytes(self.cancel_flag[:8], "little") == self.call
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            vote = torch.tensor([int(wanted)])
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.control)
+            wanted = bool(vote.item())
+        if wanted:
+            raise Cancelled(f"call {self.call} cancelled by the host")
 
 
 def register_op(name: str) -> Callable[[OpFn], OpFn]:
@@ -176,9 +198,13 @@ def _init_context(args: argparse.Namespace) -> RankContext:
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=timeout,
                             **extra)
     mesh = init_device_mesh(args.mesh_device_type, (args.world_size,))
+    control = dist.group.WORLD if args.backend == "gloo" else dist.new_group(backend="gloo")
+    with open(args.cancel_file, "rb") as f:
+        cancel_flag = mmap.mmap(f.fileno(), 8, access=mmap.ACCESS_READ)
     for module in args.imports:
         importlib.import_module(module)
-    return RankContext(args.rank, args.world_size, args.device, device, args.backend, dist.group.WORLD, mesh)
+    return RankContext(args.rank, args.world_size, args.device, device, args.backend, dist.group.WORLD, mesh,
+                       control=control, cancel_flag=cancel_flag)
 
 
 def _normalize(result: OpResult) -> tuple[dict, Tensors]:
@@ -193,6 +219,8 @@ def _normalize(result: OpResult) -> tuple[dict, Tensors]:
 def _serve_call(ctx: RankContext, msg: dict, inputs: Mapper, outputs: SegmentPool) -> bytes:
     inputs.forget(msg["dropped"])
     dropped = outputs.release(msg["released"].get(ctx.rank, ()))
+    ctx.call = msg["call"]
+    print(f"{time.strftime('%H:%M:%S')} call {ctx.call}: {msg['op']}", flush=True)   # what a dead rank was doing
     packet = None
     try:
         fn = resolve_op(msg["op"])
@@ -204,7 +232,7 @@ def _serve_call(ctx: RankContext, msg: dict, inputs: Mapper, outputs: SegmentPoo
         if packet is not None:           # packed, then the payload would not pickle: nobody will lease it
             dropped += outputs.release([packet.path])
         return dumps({"kind": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                      "dropped": dropped})
+                      "dropped": dropped, "cancelled": isinstance(exc, Cancelled)})
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -219,6 +247,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-pid", type=int, required=True)
     p.add_argument("--segment-dirs", nargs="+", required=True)
     p.add_argument("--timeout", type=float, required=True, help="rendezvous and collective timeout, seconds")
+    p.add_argument("--cancel-file", required=True, help="8 bytes the host writes a cancelled call's number to")
     p.add_argument("--imports", nargs="*", default=[])
     return p.parse_args(argv)
 

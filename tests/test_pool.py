@@ -29,8 +29,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
 from mgpu import shm
-from mgpu.errors import DeviceSpecError, MgpuError, RankFailure
-from mgpu.pool import HANDSHAKE_TIMEOUT_S, PoolConfig, RankPool
+from mgpu.errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
+from mgpu.pool import CANCEL_GRACE_S, HANDSHAKE_TIMEOUT_S, PoolConfig, RankPool
 from mgpu.rank import register_op
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -533,3 +533,71 @@ def test_sweep_spares_a_live_owner_whose_pid_is_not_ours_to_see(tmp_path):
     finally:
         os.close(fd)                        # the owner dies: its lock goes with it
     assert shm.sweep_stale(str(tmp_path)) == [str(foreign)] and not foreign.exists()
+
+
+# ------------------------------------------------------------------------------------- cancel (ComfyUI's Cancel)
+
+
+def op_spin(ctx, payload, tensors):
+    """Work in small pieces with a cancel check between them, as a forward checks between blocks."""
+    deadline = time.monotonic() + payload["seconds"]
+    while time.monotonic() < deadline:
+        ctx.raise_if_cancelled()
+        time.sleep(0.01)
+    return {"rank": ctx.rank}
+
+
+def _cancel_after(seconds: float):
+    t0 = time.monotonic()
+    return lambda: time.monotonic() - t0 > seconds
+
+
+def test_cancel_stops_every_rank_at_its_next_check_and_keeps_the_pool(pool):
+    before, generation = pids(pool), pool.generation
+    t0 = time.monotonic()
+    with pytest.raises(CallCancelled) as info:
+        pool.call("test_pool:op_spin", {"seconds": 60}, cancelled=_cancel_after(0.5))
+    assert time.monotonic() - t0 < 3
+    assert info.value.pool_kept and "every rank stopped" in str(info.value)
+    assert pids(pool) == before and pool.generation == generation          # same ranks, models still loaded
+    assert [r.payload["rank"] for r in pool.call("test_pool:op_spin", {"seconds": 0.1})] == [0, 1]
+
+
+def test_cancel_while_one_rank_hangs_tears_down_within_the_grace_and_names_it(pool):
+    """Rank 1 sleeps without checking (a hung GPU); rank 0 waits for it in a collective. Cancel returns within
+    CANCEL_GRACE_S, names rank 1 only, and the next call gets fresh ranks."""
+    before = pids(pool)
+    t0 = time.monotonic()
+    with pytest.raises(CallCancelled) as info:
+        pool.call("test_pool:op_sleep", {"ranks": [1], "seconds": 60, "collective": True},
+                  cancelled=_cancel_after(0.5))
+    assert time.monotonic() - t0 < CANCEL_GRACE_S + 4
+    text = str(info.value)
+    assert not info.value.pool_kept and "rank 1 (cpu) did not stop" in text, text
+    assert "rank 0 (cpu" in text and "waiting for the other ranks in a collective" in text
+    assert "rank 1 going to sleep" in text                                 # rank 1's own log lines
+    assert wait_gone(before, 5)
+    assert len(pids(pool)) == 2
+
+
+def test_a_hang_names_the_rank_that_hangs_not_the_one_waiting_for_it(pool):
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_sleep", {"ranks": [1], "seconds": 60, "collective": True}, timeout=1.0)
+    text = str(info.value)
+    assert info.value.rank == 1 and text.startswith("rank 1 (cpu) did not answer"), text
+    assert "rank 0 (cpu" in text and "waiting for the other ranks in a collective" in text
+
+
+def test_a_stopped_rank_is_named_as_stopped(pool):
+    victim = pids(pool)[1]
+    threading.Timer(0.5, os.kill, (victim, signal.SIGSTOP)).start()
+    try:
+        with pytest.raises(RankFailure) as info:
+            pool.call("test_pool:op_spin", {"seconds": 3}, timeout=2.0)
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    text = str(info.value)
+    assert info.value.rank == 1 and "is stopped" in text, text
