@@ -320,6 +320,15 @@ class RankPool:
         with self._lock:
             self._teardown(graceful=True)
 
+    def kill_now(self) -> None:
+        """Kill the ranks and delete the pool's files at once, without the lock: for a signal handler, when the
+        process is about to end and a pool call may be in flight on another thread."""
+        for r in list(self._ranks):
+            if r.proc.poll() is None:
+                r.proc.kill()
+        for directory in list(self._dirs):
+            shm.remove_private_dir(directory)
+
     # --- internals -------------------------------------------------------------------------------------------
 
     def _launch(self, backend: str, mesh_device_type: str) -> None:
@@ -657,3 +666,36 @@ def _close_all() -> None:
     """Ranks must not outlive the host; PDEATHSIG and the rank watchdog cover a host that dies without atexit."""
     for pool in list(_live_pools):
         pool.close()
+
+
+def sweep_stale_dirs() -> list[str]:
+    """Remove the private directories (shared-memory segments, logs) of hosts that died without cleaning up, e.g.
+    a ComfyUI killed with SIGKILL. Cheap; ComfyUI calls it when the pack loads."""
+    return [d for parent in dict.fromkeys((shm.shm_parent(), tempfile.gettempdir())) for d in shm.sweep_stale(parent)]
+
+
+def clean_up_on_sigterm() -> bool:
+    """On SIGTERM (how service managers and Ctrl+C in some shells stop ComfyUI), kill the ranks and delete the pools'
+    shared memory and directories before the process ends, then let the signal do what it did before. Python's
+    default SIGTERM ends the process without running atexit, which left /dev/shm segments behind.
+
+    The handler takes no lock (a pool call may hold one in another thread): it only kills processes and removes
+    files. Installs from the main thread only; returns whether it did."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+    if getattr(previous, "mgpu_cleanup", False):
+        return True
+
+    def on_sigterm(signum, frame) -> None:
+        for pool in list(_live_pools):
+            pool.kill_now()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    on_sigterm.mgpu_cleanup = True
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return True

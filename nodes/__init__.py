@@ -2,6 +2,8 @@
 
 from comfy_api.latest import ComfyExtension, io
 
+from mgpu.pool import clean_up_on_sigterm, sweep_stale_dirs
+
 from .components import MgpuLoadTextEncoder, MgpuLoadVAE
 from .diffusion import MgpuLoadDiffusionModel
 from .plan import MgpuPlan
@@ -15,3 +17,5 @@ class MgpuExtension(ComfyExtension):
 
 
 register_routes()
+sweep_stale_dirs()       # shared memory and logs of a ComfyUI that was killed (SIGKILL) while ranks ran
+clean_up_on_sigterm()    # and none left behind when this one is stopped with SIGTERM

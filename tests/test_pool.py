@@ -601,3 +601,47 @@ def test_a_stopped_rank_is_named_as_stopped(pool):
             pass
     text = str(info.value)
     assert info.value.rank == 1 and "is stopped" in text, text
+
+
+# ------------------------------------------------------------------------------------- what a stopped host leaves
+
+HOST_SCRIPT = """
+import os, sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+from mgpu.pool import PoolConfig, RankPool, clean_up_on_sigterm
+pool = RankPool(PoolConfig(["cpu", "cpu"], extra_sys_path=[{tests!r}]))
+pids = [r.payload["pid"] for r in pool.call("ping")]
+assert clean_up_on_sigterm()
+print(" ".join(map(str, pids)), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_host_stopped_with_sigterm_leaves_no_rank_and_no_shared_memory():
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        rank_pids = [int(p) for p in host.stdout.readline().split()]
+        assert len(rank_pids) == 2 and pool_dirs(host.pid), "the host's pool has no private directories"
+        host.send_signal(signal.SIGTERM)
+        assert host.wait(timeout=20) == -signal.SIGTERM   # the signal still ends the process as before
+    finally:
+        host.kill()
+    assert wait_gone(rank_pids, 5)
+    assert pool_dirs(host.pid) == []
+
+
+def test_stale_directories_of_a_killed_host_are_swept():
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        rank_pids = [int(p) for p in host.stdout.readline().split()]
+        left = pool_dirs(host.pid)
+        host.kill()
+        host.wait(timeout=20)
+        assert wait_gone(rank_pids, 10) and left and pool_dirs(host.pid) == left   # SIGKILL: nothing ran
+    finally:
+        host.kill()
+    from mgpu.pool import sweep_stale_dirs
+
+    assert set(left) <= set(sweep_stale_dirs()) and pool_dirs(host.pid) == []
