@@ -60,7 +60,7 @@ class PlanRequest:
     frames: int = 81
     batch: int = 1
     cfg: bool = True
-    dit_dtype: str = "default"
+    dit_weight_dtype: str = "default"   # one name everywhere: the MGPU Plan node, POST /mgpu/plan, --dit-weight-dtype
     devices: str = AUTO_DEVICES
     allow_offload: bool = False
     prefer_speed: bool = False
@@ -104,7 +104,9 @@ def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
     """Validate a POST /mgpu/plan body (JSON object); every problem is a BadRequest naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object such as {\"dit\": \"wan2.1_t2v_14B_bf16.safetensors\"}")
-    known = {"dit", "text_encoder", "vae", "dit_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS}
+    known = {"dit", "text_encoder", "vae", "dit_weight_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS}
+    if "dit_dtype" in body:
+        raise BadRequest("dit_dtype is now called dit_weight_dtype, as on the MGPU Plan node")
     if unknown := sorted(set(body) - known):
         raise BadRequest(f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
     if "dit" not in body:
@@ -113,16 +115,16 @@ def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
     for role in FOLDERS:
         value = body.get(role)
         names[role] = None if role != "dit" and value in (None, NONE) else check_name(role, value, list_files(FOLDERS[role]))
-    dit_dtype = body.get("dit_dtype", "default")
-    if dit_dtype not in DIT_DTYPES:
-        raise BadRequest(f"dit_dtype must be one of {', '.join(DIT_DTYPES)}, got {dit_dtype!r}")
+    dit_weight_dtype = body.get("dit_weight_dtype", "default")
+    if dit_weight_dtype not in DIT_DTYPES:
+        raise BadRequest(f"dit_weight_dtype must be one of {', '.join(DIT_DTYPES)}, got {dit_weight_dtype!r}")
     devices = body.get("devices", AUTO_DEVICES)
     if not isinstance(devices, str) or len(devices) > MAX_DEVICE_SPEC:
         raise BadRequest(f"devices must be 'auto' or a device spec such as 2x24GiB (at most {MAX_DEVICE_SPEC} "
                          f"characters), got {str(devices)[:50]!r}")
     return PlanRequest(dit=names["dit"], text_encoder=names["text_encoder"], vae=names["vae"],
                        **{k: _int(body, k) for k in INT_LIMITS}, **{k: _bool(body, k) for k in BOOL_DEFAULTS},
-                       dit_dtype=dit_dtype, devices=check_devices(devices))
+                       dit_weight_dtype=dit_weight_dtype, devices=check_devices(devices))
 
 
 def check_devices(spec: str) -> str:
@@ -166,9 +168,9 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
             continue
         path = full_path(folder, name)
         if path is None:
-            raise SizingError(f"{role}: {name!r} is no longer in ComfyUI's {folder} folder; refresh the node list "
-                              "(press r in the ComfyUI page) and pick it again")
-        dtype = None if role != "dit" or request.dit_dtype == "default" else request.dit_dtype
+            raise SizingError(f"{role}: {name!r} is not in ComfyUI's {folder} folder; put the file there and refresh "
+                              "the node list (press r in the ComfyUI page), or pick another")
+        dtype = None if role != "dit" or request.dit_weight_dtype == "default" else request.dit_weight_dtype
         components.append(Component(role, _size(role, path), dtype))
     workload = Workload(width=request.width, height=request.height, frames=request.frames, batch=request.batch,
                         cfg=request.cfg)

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dit", required=True, metavar="FILE", help="diffusion transformer (.safetensors or sharded folder)")
     p.add_argument("--text-encoder", metavar="FILE")
     p.add_argument("--vae", metavar="FILE")
-    p.add_argument("--dit-dtype", metavar="DTYPE", help="run the DiT in this weight dtype (e.g. fp8_e4m3fn, bf16)")
+    p.add_argument("--dit-weight-dtype", metavar="DTYPE", help="run the DiT in this weight dtype (e.g. fp8_e4m3fn, bf16)")
     p.add_argument("--text-encoder-dtype", metavar="DTYPE")
     _add_devices_arg(p)
     p.add_argument("--width", type=int, default=832)
@@ -84,7 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for name in ("width", "height", "frames", "batch"):
         if getattr(args, name) < 1:
             raise MgpuError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    components = [Component("dit", size_component(args.dit), args.dit_dtype)]
+    components = [Component("dit", size_component(args.dit), args.dit_weight_dtype)]
     if args.text_encoder:
         components.append(Component("text_encoder", size_component(args.text_encoder), args.text_encoder_dtype))
     if args.vae:

@@ -142,15 +142,18 @@ def run(args: argparse.Namespace) -> int:
         size = size_component(path)
         print(f"model: diffusers WanTransformer3DModel, dim {cfg.dim}, {cfg.layers} blocks, "
               f"{format_bytes(nbytes)} ({size.family})")
-        wl = Workload(width=cfg.width * 8, height=cfg.height * 8, frames=(cfg.frames - 1) * 4 + 1, cfg=True)
-        try:
-            plan = make_plan([Component("dit", size, "bf16" if args.dtype == "bf16" else None)], machine, wl,
-                             Policy(prefer_speed=True))
-            print(plan.table())
-        except MgpuError as e:
-            print(f"plan: {e}")
-        if devices[0] == "cpu":
-            print(f"no GPU: sharding over {len(devices)} cpu ranks (gloo) to show the mechanism")
+        print(f"demo: the DiT sharded with FSDP over {len(devices)} "
+              + ("cpu ranks (gloo; no GPU here) " if devices[0] == "cpu" else f"GPUs ({', '.join(devices)}, nccl) ")
+              + f"with cond and uncond split between them, {cfg.steps} CFG steps, against the same model on one "
+              f"device ({devices[0]})")
+        if devices[0] != "cpu":   # what MGPU Plan would do with this model here; the demo shards regardless
+            wl = Workload(width=cfg.width * 8, height=cfg.height * 8, frames=(cfg.frames - 1) * 4 + 1, cfg=True)
+            try:
+                plan = make_plan([Component("dit", size, "bf16" if args.dtype == "bf16" else None)], machine, wl,
+                                 Policy(prefer_speed=True))
+                print("MGPU Plan for this model on this machine:\n" + plan.table())
+            except MgpuError as e:
+                print(f"MGPU Plan for this model on this machine: {e}")
 
         # One device: the plain module, as ComfyUI would run it.
         reference = wan_transformer(**cfg.factory_kwargs)

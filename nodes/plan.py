@@ -76,7 +76,7 @@ class MgpuPlan(io.ComfyNode):
         request = mf.PlanRequest(
             dit=dit, text_encoder=None if text_encoder == mf.NONE else text_encoder,
             vae=None if vae == mf.NONE else vae, width=width, height=height, frames=frames, batch=batch, cfg=cfg,
-            dit_dtype=dit_weight_dtype, devices=mf.check_devices(devices), allow_offload=allow_offload,
+            dit_weight_dtype=dit_weight_dtype, devices=mf.check_devices(devices), allow_offload=allow_offload,
             prefer_speed=prefer_speed)
         try:
             plan = mf.make_plan_for(request, folder_paths.get_full_path)

@@ -75,7 +75,7 @@ def test_bad_input_exits_2_with_one_line(files, case):
         "not_safetensors": ["--dit", str(files["notst"])],
         "bad_spec": ["--dit", str(files["dit"]), "--devices", "3x"],
         "bad_size": ["--dit", str(files["dit"]), "--frames", "0"],
-        "bad_dtype": ["--dit", str(files["dit"]), "--dit-dtype", "fp7"],
+        "bad_dtype": ["--dit", str(files["dit"]), "--dit-weight-dtype", "fp7"],
     }[case]
     r = mgpu("plan", *args)
     assert r.returncode == 2, (r.returncode, r.stderr)
@@ -90,3 +90,5 @@ def test_demo_shards_and_matches_one_device():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: sharded matches one device" in r.stdout
     assert "ranks: 2 on cpu, cpu" in r.stdout and "all-gathered per step" in r.stdout
+    # what it prints it does is what it does: no "dit: cpu on cpu" plan before sharding over cpu ranks
+    assert "demo: the DiT sharded with FSDP over 2 cpu ranks" in r.stdout and "dit: cpu" not in r.stdout

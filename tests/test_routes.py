@@ -35,11 +35,11 @@ def body(**fields):
 
 def test_a_full_request_parses():
     req = mf.parse_plan_request(body(text_encoder="umt5_xxl_fp8_e4m3fn_scaled.safetensors", vae="none", width=1280,
-                                     height=720, frames=81, batch=2, cfg=False, dit_dtype="fp8_e4m3fn",
+                                     height=720, frames=81, batch=2, cfg=False, dit_weight_dtype="fp8_e4m3fn",
                                      devices=" 2x24GiB ", allow_offload=True, prefer_speed=True), listing)
     assert req == mf.PlanRequest(dit="wan2.1_t2v_14B_bf16.safetensors",
                                  text_encoder="umt5_xxl_fp8_e4m3fn_scaled.safetensors", vae=None, width=1280,
-                                 height=720, frames=81, batch=2, cfg=False, dit_dtype="fp8_e4m3fn", devices="2x24GiB",
+                                 height=720, frames=81, batch=2, cfg=False, dit_weight_dtype="fp8_e4m3fn", devices="2x24GiB",
                                  allow_offload=True, prefer_speed=True)
     assert mf.parse_plan_request(body(), listing) == mf.PlanRequest(dit="wan2.1_t2v_14B_bf16.safetensors")
     # a subfolder name exactly as ComfyUI lists it is a name, not a path
@@ -79,7 +79,8 @@ def test_names_are_checked_against_their_own_folder():
     ({"height": "480"}, "height must be a whole number"),
     ({"width": True}, "width must be a whole number"),
     ({"cfg": 1}, "cfg must be true or false, got 1"),
-    ({"dit_dtype": "int4"}, "dit_dtype must be one of default, fp8_e4m3fn"),
+    ({"dit_weight_dtype": "int4"}, "dit_weight_dtype must be one of default, fp8_e4m3fn"),
+    ({"dit_dtype": "fp8_e4m3fn"}, "dit_dtype is now called dit_weight_dtype, as on the MGPU Plan node"),
     ({"devices": "2x"}, "devices: bad device spec '2x'"),
     ({"devices": 2}, "devices must be 'auto' or a device spec"),
     ({"devices": "1x24GiB," * 40}, "at most 200 characters"),
@@ -117,17 +118,17 @@ def test_make_plan_for_sizes_the_named_files(model_dir):
         return str(model_dir / name) if (model_dir / name).exists() else None
 
     req = mf.PlanRequest(dit="wan14b.safetensors", text_encoder="umt5.safetensors", vae="vae.safetensors",
-                         width=1280, height=720, dit_dtype="fp8_e4m3fn", devices="2x24GiB,cpu=64GiB")
+                         width=1280, height=720, dit_weight_dtype="fp8_e4m3fn", devices="2x24GiB,cpu=64GiB")
     plan = mf.make_plan_for(req, full_path)
     assert [p.role for p in plan.placements] == ["dit", "text_encoder", "vae"]
     assert (plan.placement("dit").strategy, plan.placement("dit").weight_dtype) == ("fsdp", "fp8_e4m3fn")
     assert [u.device for u in plan.usage] == ["cuda:0", "cuda:1", "cpu"]
     with pytest.raises(PlanError, match="cannot place the dit"):
         mf.make_plan_for(mf.PlanRequest(dit="wan14b.safetensors", devices="1x8GiB,cpu=8GiB"), full_path)
-    with pytest.raises(SizingError, match="'gone.safetensors' is no longer in ComfyUI's vae folder"):
+    with pytest.raises(SizingError, match="'gone.safetensors' is not in ComfyUI's vae folder; put the file there"):
         mf.make_plan_for(mf.PlanRequest(dit="wan14b.safetensors", vae="gone.safetensors"), full_path)
     # "auto" plans for the live machine the loaders see
-    auto = mf.make_plan_for(mf.PlanRequest(dit="wan14b.safetensors", dit_dtype="fp8_e4m3fn"), full_path,
+    auto = mf.make_plan_for(mf.PlanRequest(dit="wan14b.safetensors", dit_weight_dtype="fp8_e4m3fn"), full_path,
                             live=lambda: parse_spec("1x80GiB,cpu=64GiB"))
     assert auto.placement("dit").devices == ["cuda:0"]
 
@@ -148,7 +149,7 @@ def test_chart_shows_each_phase_and_its_parts_add_up(model_dir):
         return str(model_dir / name)
 
     req = mf.PlanRequest(dit="wan14b.safetensors", text_encoder="umt5.safetensors", vae="vae.safetensors",
-                         width=1280, height=720, dit_dtype="fp8_e4m3fn", devices="2x24GiB,cpu=64GiB")
+                         width=1280, height=720, dit_weight_dtype="fp8_e4m3fn", devices="2x24GiB,cpu=64GiB")
     plan = mf.make_plan_for(req, full_path)
     rows = mf.chart(plan)
     assert [r["device"] for r in rows] == ["cuda:0", "cuda:1", "cpu"]
