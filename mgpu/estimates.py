@@ -1,13 +1,31 @@
-"""Working-memory estimates: what a component needs on its device beyond its weights.
+"""Working-memory estimates: what a component needs on its device beyond its weights, and the budget rule.
 
-Each function is one documented formula over ``ComponentSize.dims`` (read from tensor shapes), so the planner
-can reason before anything is loaded. They are deliberately simple upper-ish bounds, not simulations: they
-count the tensors that are alive at the peak of one forward and add a fixed allowance for what PyTorch does
-not show (CUDA context, library workspaces, allocator fragmentation).
+Each estimate is a documented formula over ``ComponentSize.dims`` (read from tensor shapes), so the planner can
+reason before anything is loaded. The DiT formula is *calibrated*: its coefficients come from the live-tensor peak
+of ComfyUI's own Wan and LTXV networks (one real-dimension block, 512-4096 tokens, ComfyUI 0.3.64 and 0.33.0,
+``bench/calibrate_memory.py``; table in bench/RESULTS.md), rounded up to cover every family on both versions.
 
-Sanity numbers (Wan2.1 T2V 14B, 1280x720x81 -> 75,600 tokens, bf16 activations, sdpa):
-CFG batch 2 ~ 19.8 GiB, batch 1 ~ 10.5 GiB (each including the 1 GiB allowance) on top of 26.6 GiB of bf16
-weights (13.3 GiB as fp8). Wan 2.1 VAE decode of that video: ~12.4 GiB untiled, ~4.9 GiB tiled.
+The budget rule (what the partitioner reserves beside the weights):
+
+* ours = ``ACTIVATION_SAFETY`` x the calibrated activations. The factor covers what a live-tensor count on the CPU
+  cannot see on a GPU: kernel workspaces and the caching allocator's fragmentation (reserved over allocated).
+  ``bench/gpu_check.py`` measures both on a GPU.
+* Where ComfyUI runs the component (a single-device DiT, a text encoder, an untiled VAE decode), its own
+  reservation also has to fit, or ComfyUI loads the weights only partly (lowvram) and streams them every step: the
+  need is ``max(ours, ComfyUI's reservation)``. ComfyUI reserves ``max(minimum_inference_memory(), memory_required
+  + extra_reserved_memory())`` (comfy/model_management.py ``load_models_gpu``); those constants and the rules of
+  ``BaseModel.memory_required`` and ``VAE.memory_used_decode`` are restated below and checked against ComfyUI by
+  tests/test_bench_scripts.py. The text encoder and VAE formulas are hand counts, not measured.
+* On FSDP ranks ComfyUI reserves nothing (the loader reports ``memory_required`` 0 and ComfyUI cannot see the
+  ranks), so the need is ours plus FSDP2's all-gather buffers and NCCL's (``fsdp_buffer_bytes``).
+* Everything adds ``CUDA_OVERHEAD_BYTES`` for the CUDA context and library handles.
+
+Sanity numbers (Wan2.1 T2V 14B, 1280x720x81 -> 75,600 tokens, bf16 activations, sdpa), per batch item: ComfyUI's
+network peaks at 9.1-9.5 U per token (U: one bf16 hidden-size vector; 6.6-6.9 GiB); the formula says 9.75 U
+(7.0 GiB), ours 8.4 GiB with the safety factor; ComfyUI reserves 14.0 GiB (memory_required 13.6 GiB). So one GPU
+keeps 15.0 GiB beside 26.6 GiB of bf16 weights; an FSDP rank 9.4 GiB plus 2.1 GiB of all-gather buffers (bf16;
+1.2 GiB for fp8) and NCCL's 128-256 MiB. Wan 2.1 VAE decode of that video: 11.4 GiB ours, 12.4 GiB ComfyUI's,
+so 13.4 GiB untiled; 4.9 GiB tiled.
 """
 
 from __future__ import annotations
@@ -18,13 +36,37 @@ from dataclasses import dataclass
 from mgpu.errors import SizingError
 from mgpu.sizing import ComponentSize
 
+MiB = 1024**2
 GiB = 1024**3
 
-# CUDA context (~0.3-0.5 GiB with cuBLAS/cuDNN handles), kernel workspaces and allocator fragmentation.
+# CUDA context (~0.3-0.5 GiB with cuBLAS/cuDNN handles) and kernel workspaces outside PyTorch's allocator.
 # Measured contexts vary by driver and GPU; 1 GiB is a round figure that covers them with some headroom.
 CUDA_OVERHEAD_BYTES = 1 * GiB
 
+# ours = ACTIVATION_SAFETY x the calibrated activations: the CPU count misses GPU kernel workspaces and the caching
+# allocator's fragmentation (how far max_memory_reserved exceeds max_memory_allocated; bench/gpu_check.py reports both).
+ACTIVATION_SAFETY = 1.2
+
+# Calibrated DiT phase sizes, in hidden-size tensors (U = batch x tokens x hidden x act_bytes). Measured maxima
+# over Wan 1.3B/5B/14B and LTXV 2B/13B on ComfyUI 0.3.64 and 0.33.0, rounded up (bench/RESULTS.md):
+#   FFN phase: 4.25 U + the FFN hidden twice (before and after the activation). The 4 U are the residual stream
+#              (the caller's x and the block's new x), the modulated input and a normalisation temporary.
+#   attention: 9.5 U: residual, modulated input, q, k, v, attention output and the fp32 copy RoPE rotates q/k in.
+DIT_FFN_PHASE_U = 4.25
+DIT_ATTENTION_PHASE_U = 9.5
+
 ATTENTION_BACKENDS = ("sdpa", "flash", "math")
+
+# ComfyUI's reservations (identical in 0.3.64 and 0.33.0; comfy/model_management.py): extra_reserved_memory() is
+# 400 MiB (600-700 MiB on Windows, or --reserve-vram), minimum_inference_memory() is 0.8 GiB more.
+COMFYUI_EXTRA_RESERVED_BYTES = 400 * MiB
+COMFYUI_MIN_INFERENCE_BYTES = int(0.8 * GiB) + COMFYUI_EXTRA_RESERVED_BYTES
+
+# NCCL's per-communicator buffers: NCCL_BUFFSIZE (default 4 MiB) per channel per ring neighbour. 32 channels is
+# NCCL's ceiling per communicator (NVLink machines use 16-32, PCIe ones 2-8), so 4 MiB x 32 x 2 neighbours = 256 MiB
+# per rank bounds the Simple, LL and LL128 protocol buffers of the one communicator FSDP uses.
+NCCL_BUFFSIZE = 4 * MiB
+NCCL_CHANNELS = 32
 
 # Weight dtypes a user may ask for -> bytes per element.
 WEIGHT_ITEMSIZE = {
@@ -82,63 +124,132 @@ def dit_tokens(size: ComponentSize, wl: Workload) -> int:
     return math.ceil(t / pt) * math.ceil(h / ph) * math.ceil(w / pw)
 
 
-def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = None, act_bytes: int = 2,
-                      attention: str = "sdpa") -> int:
-    """Peak activations of one DiT forward over ``batch`` (default: the workload's CFG batch) plus the allowance.
+def _rope_table_bytes(size: ComponentSize, tokens: int, act_bytes: int) -> int:
+    """Per-forward rotary table: Wan keeps fp32 cos/sin pairs per head dim (tokens x head_dim x 8 bytes); LTXV keeps
+    cos and sin at full hidden width in the activation dtype (2 x tokens x hidden x act_bytes)."""
+    if size.family.startswith("ltxv"):
+        return 2 * tokens * size.dims["hidden"] * act_bytes
+    return tokens * size.dims["head_dim"] * 8
 
-    With U = batch x tokens x hidden x act_bytes, blocks run one after another, so only one block's transients
-    are alive at once:
-      residual stream    2U                    x and the block output being formed (x + gate * y)
-      attention phase    5U + 3U(fp32)         modulated input, q, k, v, attention output; RoPE rotates q/k in
-                                               fp32 with ~3 full-size fp32 temporaries (counted at 4 bytes)
-      FFN phase          U + 2 x B*N*ffn*a     modulated input, FFN hidden before and after the activation
-      attention extra    sdpa/flash: B*heads*N*4 (fp32 log-sum-exp, O(tokens));
-                         math: 2 x B*N*N*4, the fp32 score and softmax matrices of one head at a time
-                         (head-chunked attention; an unchunked math kernel would need heads times more)
-      RoPE table         N x head_dim x 8      fp32 cos/sin pairs
-    Cross-attention to the short text context is smaller than the self-attention phase and is not added.
-    Total = 2U + max(attention phase + extra, FFN phase) + RoPE table + CUDA_OVERHEAD_BYTES.
+
+def dit_activation_bytes(size: ComponentSize, tokens: int, batch: int = 1, *, act_bytes: int = 2,
+                         attention: str = "sdpa") -> int:
+    """Calibrated live-tensor peak of one DiT forward over ``batch`` x ``tokens``: no safety factor, no overhead.
+
+    With U = batch x tokens x hidden x act_bytes and F = batch x tokens x ffn x act_bytes, blocks run one after
+    another, so only one block's transients are alive at once:
+      FFN phase          DIT_FFN_PHASE_U x U + 2F         (the FFN hidden before and after its activation)
+      attention phase    DIT_ATTENTION_PHASE_U x U + extra
+      attention extra    sdpa/flash: B x heads x N x 4 (fp32 log-sum-exp, O(tokens));
+                         math: 2 x B x N x N x 4, the fp32 score and softmax matrices of one head at a time
+      RoPE table         ``_rope_table_bytes`` (per forward, shared by the batch)
+    Total = max(attention phase, FFN phase) + RoPE table. Cross-attention to the short text context is smaller than
+    the self-attention phase and is not added.
     """
     if attention not in ATTENTION_BACKENDS:
         raise SizingError(f"attention={attention!r} is not one of {ATTENTION_BACKENDS}.")
-    hidden, ffn, heads, head_dim = _dims(size, "dit", "hidden", "ffn", "heads", "head_dim")
+    hidden, ffn, heads = _dims(size, "dit", "hidden", "ffn", "heads")
+    unit = batch * tokens * hidden * act_bytes
+    extra = 2 * batch * tokens * tokens * 4 if attention == "math" else batch * heads * tokens * 4
+    attention_phase = DIT_ATTENTION_PHASE_U * unit + extra
+    ffn_phase = DIT_FFN_PHASE_U * unit + 2 * batch * tokens * ffn * act_bytes
+    return math.ceil(max(attention_phase, ffn_phase)) + _rope_table_bytes(size, tokens, act_bytes)
+
+
+def comfyui_memory_usage_factor(size: ComponentSize) -> float | None:
+    """ComfyUI's ``memory_usage_factor`` for the family (comfy/supported_models.py, same in 0.3.64 and 0.33.0):
+    Wan dim / 2222 (x 1.2 for VACE), LTXV cross_attention_dim / 2048 x 5.5; None for a family it is not known for."""
+    if size.family.startswith("ltxv"):
+        return size.dims.get("cross_dim", size.dims["hidden"]) / 2048 * 5.5
+    if size.family.startswith("wan") and "hidden" in size.dims:
+        return size.dims["hidden"] / 2222 * (1.2 if "vace" in size.family else 1.0)
+    return None
+
+
+def comfyui_memory_required(size: ComponentSize, wl: Workload, batch: int, act_bytes: int = 2) -> int:
+    """What ComfyUI's ``BaseModel.memory_required`` returns on a GPU for ``batch`` latents of the workload: batch x
+    latent frames x height x width (channels not counted) x dtype bytes x 0.01 MiB x the family's factor (the
+    pytorch-attention/xformers branch, comfy/model_base.py; same rule in 0.3.64 and 0.33.0)."""
+    factor = comfyui_memory_usage_factor(size)
+    if factor is None:
+        raise SizingError(f"{size.path or size.family}: ComfyUI's memory rule for family {size.family!r} is not "
+                          "known here; only Wan and LTX-Video DiTs are calibrated.")
+    area = batch * math.prod(latent_shape(size, wl))
+    return math.ceil(area * act_bytes * 0.01 * factor * MiB)
+
+
+def comfyui_reservation_bytes(memory_required: int) -> int:
+    """Free memory ComfyUI keeps beside a model it loads fully (``load_models_gpu``): at least the minimum
+    inference memory, else the model's memory_required plus the extra reserve."""
+    return max(COMFYUI_MIN_INFERENCE_BYTES, memory_required + COMFYUI_EXTRA_RESERVED_BYTES)
+
+
+def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = None, act_bytes: int = 2,
+                      attention: str = "sdpa", comfyui: bool = True) -> int:
+    """Working memory of the DiT over ``batch`` (default: the workload's CFG batch), by the budget rule.
+
+    ``comfyui``: ComfyUI runs it (single device), so its reservation for that batch must fit too (families ComfyUI's
+    rule is known for); False on FSDP ranks, whose buffers ``fsdp_buffer_bytes`` adds.
+    """
     b = wl.dit_batch if batch is None else batch
-    n = dit_tokens(size, wl)
-    unit = b * n * hidden * act_bytes
-    extra = 2 * b * n * n * 4 if attention == "math" else b * heads * n * 4
-    attention_phase = 5 * unit + 3 * b * n * hidden * 4 + extra
-    ffn_phase = unit + 2 * b * n * ffn * act_bytes
-    return 2 * unit + max(attention_phase, ffn_phase) + n * head_dim * 8 + CUDA_OVERHEAD_BYTES
+    ours = math.ceil(ACTIVATION_SAFETY * dit_activation_bytes(size, dit_tokens(size, wl), b, act_bytes=act_bytes,
+                                                              attention=attention))
+    if comfyui and comfyui_memory_usage_factor(size) is not None:
+        ours = max(ours, comfyui_reservation_bytes(comfyui_memory_required(size, wl, b, act_bytes)))
+    return ours + CUDA_OVERHEAD_BYTES
 
 
-def text_encoder_working_bytes(size: ComponentSize, tokens: int = 512, batch: int = 2, act_bytes: int = 2) -> int:
-    """Peak activations of one text-encoder forward (T5/UMT5/Gemma) plus the allowance.
+def text_encoder_activation_bytes(size: ComponentSize, tokens: int = 512, batch: int = 2, act_bytes: int = 2) -> int:
+    """Peak activations of one text-encoder forward (T5/UMT5/Gemma); not calibrated (the encoder runs once per
+    prompt and is freed before sampling), so ComfyUI's floor usually decides (``text_encoder_working_bytes``).
 
     With U = batch x tokens x hidden x act_bytes and I = heads x head_dim:
       residual 2U; attention: U (normed input) + 4 x B*T*I*a (q, k, v expanded to all heads, output)
       + 2 x B*heads*T*T*4 (T5's position bias / masks rule out flash kernels: fp32 scores and softmax);
       FFN: U + 3 (gated: gate, up, product; else 2) x B*T*ffn*a.
-    Total = 2U + max(attention, FFN) + CUDA_OVERHEAD_BYTES.
+    Total = 2U + max(attention, FFN).
     """
     hidden, ffn, heads, head_dim = _dims(size, "text_encoder", "hidden", "ffn", "heads", "head_dim")
     unit = batch * tokens * hidden * act_bytes
     attention = unit + 4 * batch * tokens * heads * head_dim * act_bytes + 2 * batch * heads * tokens**2 * 4
     ffn_phase = unit + (3 if size.dims.get("gated_ffn", 1) else 2) * batch * tokens * ffn * act_bytes
-    return 2 * unit + max(attention, ffn_phase) + CUDA_OVERHEAD_BYTES
+    return 2 * unit + max(attention, ffn_phase)
+
+
+def text_encoder_working_bytes(size: ComponentSize, tokens: int = 512, batch: int = 2, act_bytes: int = 2) -> int:
+    """Working memory of the text encoder by the budget rule. ComfyUI loads UMT5/T5 with no estimate of its own,
+    so it keeps its minimum inference memory free: max(ours, that) + CUDA_OVERHEAD_BYTES."""
+    ours = math.ceil(ACTIVATION_SAFETY * text_encoder_activation_bytes(size, tokens, batch, act_bytes))
+    return max(ours, COMFYUI_MIN_INFERENCE_BYTES) + CUDA_OVERHEAD_BYTES
 
 
 # Full-resolution tensors alive in the decoder's last stage, in units of (pixels x its channel width):
 # ~2 for the 2x-wide upsampled input of the last resample, ~6.5 inside a residual block (input, norm, activation,
 # padded copy, conv output, sum), rounded up. Causal decoders (Wan) also keep 2 frames per conv of the last two
 # stages as a cache: ~6 more relative to a 4-frame step. For Wan 2.1 at 720p this gives ~6,100 elements per output
-# pixel per step; ComfyUI 0.3.64 reserves 7,000 for the same decode, so the two agree within 15%.
+# pixel per step; ComfyUI reserves 7,000 for the same decode, so the two agree within 15%. Not measured.
 VAE_LIVE_TENSORS = 10
 VAE_CAUSAL_CACHE_TENSORS = 6
 
+# ComfyUI's ``VAE.memory_used_decode`` (comfy/sd.py) per VAE family: (bytes per latent pixel and dtype byte,
+# whether latent frames count). Wan 2.1: 7000 x 64 per latent h x w (0.33.0: 2200 for <= 4 latent frames);
+# Wan 2.2: 8000 x 256; LTXV: 1200 x 512 per latent t x h x w in 0.33.0 (900 x 512 in 0.3.64): the larger is kept.
+COMFYUI_VAE_DECODE = {"wan-vae": (7000 * 64, False), "wan2.2-vae": (8000 * 256, False), "ltxv-vae": (1200 * 512, True)}
 
-def vae_decode_bytes(size: ComponentSize, wl: Workload, *, tiled: bool, act_bytes: int = 2,
-                     tile_px: int = 512, tile_frames: int = 64) -> int:
-    """Peak memory of decoding the workload's latent to pixels.
+
+def comfyui_vae_decode_bytes(size: ComponentSize, wl: Workload, act_bytes: int = 2) -> int | None:
+    """What ComfyUI's ``VAE.memory_used_decode`` gives for one video of the workload; None for other VAEs."""
+    rule = COMFYUI_VAE_DECODE.get(size.family)
+    if rule is None:
+        return None
+    per_pixel, frames = rule
+    t, h, w = latent_shape(size, wl)
+    return per_pixel * (t if frames else 1) * h * w * act_bytes
+
+
+def vae_activation_bytes(size: ComponentSize, wl: Workload, *, tiled: bool, act_bytes: int = 2,
+                         tile_px: int = 512, tile_frames: int = 64) -> int:
+    """Peak memory of decoding the workload's latent to pixels, without the overhead.
 
     The decoder's last stage dominates: dec_channels wide, at (H / out_patch) x (W / out_patch). A causal
     decoder (Wan) decodes one latent frame = vae_t output frames per step; LTXV decodes all frames at once
@@ -155,7 +266,21 @@ def vae_decode_bytes(size: ComponentSize, wl: Workload, *, tiled: bool, act_byte
     work = frames_per_step * math.ceil(h / patch) * math.ceil(w / patch) * channels * live * act_bytes
     output = wl.batch * 3 * wl.frames * wl.height * wl.width * 4
     latent = wl.batch * z * lat_t * lat_h * lat_w * 4
-    return work + output + latent + CUDA_OVERHEAD_BYTES
+    return work + output + latent
+
+
+def vae_decode_bytes(size: ComponentSize, wl: Workload, *, tiled: bool, act_bytes: int = 2, **tiles: int) -> int:
+    """Working memory of the decode by the budget rule, plus the overhead.
+
+    Untiled, ComfyUI runs the whole decode and keeps its reservation for it free, so the need is the larger of
+    ours and that. Tiled, ComfyUI still reserves the untiled figure, but only to decide how much of the (small) VAE
+    weights stays loaded: ours alone. ``tiles``: ``tile_px`` / ``tile_frames`` of ``vae_activation_bytes``.
+    """
+    ours = vae_activation_bytes(size, wl, tiled=tiled, act_bytes=act_bytes, **tiles)
+    comfyui = None if tiled else comfyui_vae_decode_bytes(size, wl, act_bytes)
+    if comfyui is not None:
+        ours = max(ours, comfyui_reservation_bytes(comfyui))
+    return ours + CUDA_OVERHEAD_BYTES
 
 
 def weight_bytes(size: ComponentSize, dtype: str | None) -> int:
@@ -170,3 +295,33 @@ def weight_bytes(size: ComponentSize, dtype: str | None) -> int:
         raise SizingError(f"weight dtype {dtype!r} is not known; use one of "
                           f"{', '.join(sorted(set(WEIGHT_ITEMSIZE)))} (or None to keep the stored dtype).")
     return size.total_bytes - size.matrix_bytes + size.matrix_params * WEIGHT_ITEMSIZE[dtype]
+
+
+def weight_itemsize(size: ComponentSize, dtype: str | None) -> int:
+    """Bytes per element of the weights' matrices when stored as ``dtype`` (None: the file's main dtype)."""
+    if dtype is None:
+        dtype = max(size.bytes_by_dtype.items(), key=lambda kv: kv[1])[0] if size.bytes_by_dtype else "BF16"
+    return WEIGHT_ITEMSIZE.get(dtype, 2)
+
+
+def nccl_buffer_bytes(ranks: int) -> int:
+    """NCCL's buffers on each rank of one communicator: NCCL_BUFFSIZE x NCCL_CHANNELS x ring neighbours (one
+    for 2 ranks, two from 3 on, none alone)."""
+    return NCCL_BUFFSIZE * NCCL_CHANNELS * min(max(ranks - 1, 0), 2)
+
+
+def fsdp_buffer_bytes(size: ComponentSize, ranks: int, *, gather_itemsize: int, compute_itemsize: int = 2,
+                      gathered_blocks: int = 2) -> int:
+    """What FSDP2 and NCCL hold on each rank beside its shard and the activations.
+
+    All-gather, prefetch 1: ``gathered_blocks`` blocks gathered (the one computing and the one prefetched), plus the
+    prefetched block's all-gather output buffer, alive until it is copied out into the block's parameters:
+    (gathered_blocks + 1) x the largest block, at ``gather_itemsize`` bytes per parameter (the storage dtype on GPUs:
+    fp8 weights travel as fp8). When the weights are narrower than the compute dtype, ComfyUI's ops cast one layer at
+    a time: the largest, hidden x ffn, in ``compute_itemsize``. Plus ``nccl_buffer_bytes``.
+    """
+    per_param = size.total_bytes / size.params if size.params else 2
+    largest = max((max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block), default=0)
+    block = math.ceil(largest / per_param * gather_itemsize)
+    cast = size.dims["hidden"] * size.dims["ffn"] * compute_itemsize if gather_itemsize < compute_itemsize else 0
+    return (gathered_blocks + 1) * block + cast + nccl_buffer_bytes(ranks)

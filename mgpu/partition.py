@@ -10,8 +10,12 @@ Memory model (every number is an estimate from `mgpu.estimates`, and the plan sa
   sampling starts (``loaders.diffusion.ShardedModelPatcher``).
 * An FSDP-sharded DiT lives in the rank processes for as long as the pool holds it, so its shard is resident in
   every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank.
-* A device's budget is its free memory minus ``Policy.reserve_bytes`` (CUDA context, allocator fragmentation);
-  the host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a budget.
+* A device's budget is its free memory minus ``Policy.reserve_bytes`` (other processes, allocator growth); the
+  host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a budget.
+* Working memory follows the budget rule of ``mgpu.estimates``: where ComfyUI runs a component (single-device DiT,
+  text encoder, untiled VAE decode) the larger of our calibrated estimate and ComfyUI's own reservation, since
+  ComfyUI otherwise loads the weights only partly; on FSDP ranks our estimate plus FSDP2's all-gather buffers and
+  NCCL's buffers (``fsdp_buffer_bytes``), since there ComfyUI reserves nothing.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from mgpu.estimates import (
     GiB,
     Workload,
     dit_working_bytes,
+    fsdp_buffer_bytes,
     text_encoder_working_bytes,
     vae_decode_bytes,
     weight_bytes,
+    weight_itemsize,
 )
 from mgpu.sizing import ComponentSize
 
@@ -205,18 +211,22 @@ def _largest_block(size: ComponentSize, wbytes: int) -> int:
     return int(max(max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block) * scale)
 
 
-def _fsdp_need(size: ComponentSize, wbytes: int, wl: Workload, ranks: int, policy: Policy) -> tuple[int, int, int]:
+def _fsdp_need(comp: Component, wbytes: int, wl: Workload, ranks: int, policy: Policy) -> tuple[int, int, int]:
     """(resident per rank, working per rank, batch per rank) for a DiT sharded over `ranks` ranks.
 
     Resident: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root
     FSDP unit keeps gathered for the whole forward. Working: the activations of this rank's slice of the
-    CFG/batch split, plus the gathered blocks (computing + prefetched).
+    CFG/batch split (no ComfyUI reservation: ComfyUI cannot see the ranks), plus FSDP2's all-gather buffers in the
+    storage dtype (NCCL gathers fp8 as fp8) and NCCL's buffers.
     """
+    size = comp.size
     batch = math.ceil(wl.dit_batch / ranks)
     scale = wbytes / size.total_bytes if size.total_bytes else 1.0
     outside = int(size.bytes_outside_blocks * scale)
     resident = math.ceil(wbytes / ranks) + outside
-    working = dit_working_bytes(size, wl, batch=batch) + policy.gathered_blocks * _largest_block(size, wbytes)
+    buffers = fsdp_buffer_bytes(size, ranks, gather_itemsize=weight_itemsize(size, comp.weight_dtype),
+                                gathered_blocks=policy.gathered_blocks)
+    working = dit_working_bytes(size, wl, batch=batch, comfyui=False) + buffers
     return resident, working, batch
 
 
@@ -229,7 +239,7 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
     by_budget = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index))
 
     def fsdp(group: list[Device], why: str) -> Placement | None:
-        resident, working, batch = _fsdp_need(size, wbytes, wl, len(group), policy)
+        resident, working, batch = _fsdp_need(comp, wbytes, wl, len(group), policy)
         work = {d.id: working for d in group}
         # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
         # the full weights on every rank, so it is chosen only when that fits too.
@@ -245,7 +255,8 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
             return None
         ledger.commit(need, "DiT shard")
         reasons = [why, f"each rank holds 1/{len(group)} of the weights ({format_bytes(math.ceil(wbytes / len(group)))}) "
-                        f"plus {policy.gathered_blocks} gathered blocks while computing",
+                        f"plus {policy.gathered_blocks} gathered blocks, an all-gather buffer and NCCL's buffers "
+                        "while computing",
                    f"CFG/batch split: each rank computes {batch} of the {wl.dit_batch} DiT batch items per step"]
         if len({d.free_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
@@ -299,6 +310,7 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
                         f"{format_bytes(wbytes)} of host RAM; host budget is {format_bytes(ledger.free(host.id))}")
 
     if not gpus and host is not None:
+        working1 = dit_working_bytes(size, wl, batch=1, comfyui=False)   # no reservation in host RAM
         need = _need("dit", "cpu", policy, {host.id: wbytes}, {host.id: working1})
         if ledger.fits(need):
             ledger.commit(need, "DiT")

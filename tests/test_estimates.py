@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import ckpt_layouts as L
 from mgpu.errors import SizingError
-from mgpu.estimates import (CUDA_OVERHEAD_BYTES, GiB, Workload, dit_tokens, dit_working_bytes,
-                            text_encoder_working_bytes, vae_decode_bytes, weight_bytes)
+from mgpu.estimates import (ACTIVATION_SAFETY, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES, MiB, GiB, Workload,
+                            comfyui_memory_required, comfyui_reservation_bytes, comfyui_vae_decode_bytes,
+                            dit_activation_bytes, dit_tokens, dit_working_bytes, fsdp_buffer_bytes,
+                            nccl_buffer_bytes, text_encoder_activation_bytes, text_encoder_working_bytes,
+                            vae_activation_bytes, vae_decode_bytes, weight_bytes)
 from mgpu.sizing import size_component, size_from_bytes
 
 P720 = Workload(width=1280, height=720, frames=81)
@@ -16,7 +21,8 @@ P720 = Workload(width=1280, height=720, frames=81)
 @pytest.fixture(scope="module")
 def sizes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("est")
-    layouts = {"wan14": L.wan21_t2v_14b(), "wan5": L.wan22_ti2v_5b(), "ltxv": L.ltxv_2b(), "umt5": L.umt5_xxl(),
+    layouts = {"wan14": L.wan21_t2v_14b(), "wan1": L.wan21_t2v_1_3b(), "wan5": L.wan22_ti2v_5b(), "ltxv": L.ltxv_2b(),
+               "ltxv13": L.ltxv_13b(), "umt5": L.umt5_xxl(),
                "gemma": L.gemma3_12b(), "wan_vae": L.wan_vae(), "wan22_vae": L.wan_vae("2.2"), "ltxv_vae": L.ltxv_vae()}
     return {n: size_component(L.write_safetensors(folder / f"{n}.safetensors", lay, sparse=True))
             for n, lay in layouts.items()}
@@ -53,9 +59,9 @@ def test_dit_working_memory_grows_with_frames_resolution_and_batch(sizes):
 
 
 def test_dit_activations_scale_linearly_with_batch_under_sdpa(sizes):
-    one = dit_working_bytes(sizes["wan14"], P720, batch=1) - CUDA_OVERHEAD_BYTES
-    two = dit_working_bytes(sizes["wan14"], P720, batch=2) - CUDA_OVERHEAD_BYTES
-    assert 1.95 < two / one <= 2.0
+    n = dit_tokens(sizes["wan14"], P720)
+    one, two = dit_activation_bytes(sizes["wan14"], n, 1), dit_activation_bytes(sizes["wan14"], n, 2)
+    assert 1.95 < two / one <= 2.0  # the RoPE table is per forward, shared by the batch
 
 
 def test_math_attention_needs_more_and_grows_quadratically(sizes):
@@ -69,10 +75,44 @@ def test_math_attention_needs_more_and_grows_quadratically(sizes):
 
 def test_wan14b_720p_numbers_are_in_a_plausible_range(sizes):
     """Lower bound from first principles: one bf16 copy of the hidden states is 0.77 GB per batch item and a block
-    holds at least ten. Upper bound: one 80 GB GPU runs this model with CFG once the weights are offloaded."""
+    holds at least eight. Upper bound: one 80 GB GPU runs this model with CFG once the weights are offloaded."""
     b2 = dit_working_bytes(sizes["wan14"], P720)
     b1 = dit_working_bytes(sizes["wan14"], P720, batch=1)
     assert 8 * GiB < b1 < b2 < 40 * GiB
+    assert 6 * GiB < dit_activation_bytes(sizes["wan14"], dit_tokens(sizes["wan14"], P720)) < 8 * GiB
+
+
+# Live-tensor peaks of ComfyUI's own networks, one real-dimension block, bytes per token and batch item: the
+# larger of ComfyUI 0.3.64 and 0.33.0 (bench/calibrate_memory.py, table in bench/RESULTS.md).
+MEASURED_BYTES_PER_TOKEN = {"wan1": 49_408, "wan14": 97_536, "wan5": 83_712, "ltxv": 57_650, "ltxv13": 115_000}
+
+
+@pytest.mark.parametrize("family", sorted(MEASURED_BYTES_PER_TOKEN))
+def test_calibrated_dit_formula_covers_the_measured_peaks_without_waste(sizes, family):
+    """The formula per token is at least the measured peak and at most 15% above it (the safety factor is separate)."""
+    size = sizes[family]
+    per_token = (dit_activation_bytes(size, 4096) - dit_activation_bytes(size, 2048)) / 2048
+    assert 1.0 <= per_token / MEASURED_BYTES_PER_TOKEN[family] < 1.15
+
+
+def test_one_gpu_reserves_comfyuis_own_memory_required_when_it_is_larger(sizes):
+    """ComfyUI loads the weights fully only with its reservation free beside them (else it streams them): for Wan 14B
+    at 720p that is 13.6 GiB of memory_required (ComfyUI's own figure, measured with ComfyUI 0.3.64 and 0.33.0)
+    plus its 400 MiB reserve, more than our 8.4 GiB."""
+    wan = sizes["wan14"]
+    required = comfyui_memory_required(wan, P720, batch=1)
+    assert required == pytest.approx(14_612_940_034, abs=1)  # BaseModel.memory_required([1, 16, 21, 90, 160]), GPU
+    ours = ACTIVATION_SAFETY * dit_activation_bytes(wan, dit_tokens(wan, P720))
+    assert ours < required
+    assert dit_working_bytes(wan, P720, batch=1) == required + 400 * MiB + CUDA_OVERHEAD_BYTES
+    # FSDP ranks: ComfyUI reserves nothing there, so only ours counts
+    assert dit_working_bytes(wan, P720, batch=1, comfyui=False) == math.ceil(ours) + CUDA_OVERHEAD_BYTES
+
+
+def test_small_models_get_at_least_comfyuis_minimum_inference_memory(sizes):
+    tiny = Workload(256, 256, 1, cfg=False)
+    assert dit_working_bytes(sizes["ltxv"], tiny) == COMFYUI_MIN_INFERENCE_BYTES + CUDA_OVERHEAD_BYTES
+    assert comfyui_reservation_bytes(0) == COMFYUI_MIN_INFERENCE_BYTES == int(0.8 * GiB) + 400 * MiB
 
 
 # ----------------------------------------------------------------------------------- text encoders
@@ -80,9 +120,16 @@ def test_wan14b_720p_numbers_are_in_a_plausible_range(sizes):
 def test_text_encoder_memory_grows_with_tokens_and_batch(sizes):
     for name in ("umt5", "gemma"):
         te = sizes[name]
-        assert text_encoder_working_bytes(te, tokens=1024) > text_encoder_working_bytes(te, tokens=512)
-        assert text_encoder_working_bytes(te, batch=4) > text_encoder_working_bytes(te, batch=2)
-        assert text_encoder_working_bytes(te) > CUDA_OVERHEAD_BYTES
+        assert text_encoder_activation_bytes(te, tokens=1024) > text_encoder_activation_bytes(te, tokens=512)
+        assert text_encoder_activation_bytes(te, batch=4) > text_encoder_activation_bytes(te, batch=2)
+        assert text_encoder_working_bytes(te, tokens=4096) > text_encoder_working_bytes(te, tokens=512)
+
+
+def test_text_encoder_gets_comfyuis_minimum_inference_memory(sizes):
+    """UMT5 at 512 tokens needs 0.3 GiB of activations, but ComfyUI keeps 1.19 GiB free to load it fully."""
+    te = sizes["umt5"]
+    assert ACTIVATION_SAFETY * text_encoder_activation_bytes(te) < COMFYUI_MIN_INFERENCE_BYTES
+    assert text_encoder_working_bytes(te) == COMFYUI_MIN_INFERENCE_BYTES + CUDA_OVERHEAD_BYTES
 
 
 # ------------------------------------------------------------------------------------------------ VAE
@@ -97,16 +144,28 @@ def test_tiled_decode_needs_less_than_untiled(sizes, vae):
 @pytest.mark.parametrize("vae", ["wan_vae", "ltxv_vae"])
 def test_vae_decode_grows_with_resolution_and_frames(sizes, vae):
     size = sizes[vae]
-    small = vae_decode_bytes(size, Workload(832, 480, 33), tiled=False)
-    assert vae_decode_bytes(size, Workload(1280, 720, 33), tiled=False) > small
-    assert vae_decode_bytes(size, Workload(832, 480, 97), tiled=False) > small
-    assert vae_decode_bytes(size, Workload(832, 480, 33, batch=2), tiled=False) > small
+    small = vae_activation_bytes(size, Workload(832, 480, 33), tiled=False)
+    assert vae_activation_bytes(size, Workload(1280, 720, 33), tiled=False) > small
+    assert vae_activation_bytes(size, Workload(832, 480, 97), tiled=False) > small
+    assert vae_activation_bytes(size, Workload(832, 480, 33, batch=2), tiled=False) > small
 
 
 def test_tiling_a_small_video_changes_nothing(sizes):
     wl = Workload(320, 256, 17)  # smaller than one tile in every direction
     for vae in ("wan_vae", "ltxv_vae"):
-        assert vae_decode_bytes(sizes[vae], wl, tiled=True) == vae_decode_bytes(sizes[vae], wl, tiled=False)
+        assert vae_activation_bytes(sizes[vae], wl, tiled=True) == vae_activation_bytes(sizes[vae], wl, tiled=False)
+
+
+def test_untiled_decode_reserves_comfyuis_figure_when_it_is_larger(sizes):
+    """Wan 2.2's VAE: ComfyUI reserves 8000 x 256 bytes per latent pixel (13.4 GiB at 1280x704), above our 8.1."""
+    wl = Workload(1280, 704, 121)
+    vae = sizes["wan22_vae"]
+    comfyui = comfyui_vae_decode_bytes(vae, wl)
+    assert comfyui == 14_417_920_000  # VAE.memory_used_decode([1, 48, 31, 44, 80], bfloat16), ComfyUI's own
+    assert vae_activation_bytes(vae, wl, tiled=False) < comfyui
+    assert vae_decode_bytes(vae, wl, tiled=False) == comfyui_reservation_bytes(comfyui) + CUDA_OVERHEAD_BYTES
+    # tiled: ComfyUI's untiled figure only decides how much of the VAE weights it keeps loaded
+    assert vae_decode_bytes(vae, wl, tiled=True) == vae_activation_bytes(vae, wl, tiled=True) + CUDA_OVERHEAD_BYTES
 
 
 def test_causal_wan_decode_barely_depends_on_frames_but_ltxv_does(sizes):
@@ -115,6 +174,26 @@ def test_causal_wan_decode_barely_depends_on_frames_but_ltxv_does(sizes):
         return (vae_decode_bytes(sizes[vae], Workload(832, 480, 161), tiled=False)
                 / vae_decode_bytes(sizes[vae], Workload(832, 480, 17), tiled=False))
     assert growth("wan_vae") < 1.5 < growth("ltxv_vae")
+
+
+# ----------------------------------------------------------------------------------------------- FSDP
+
+def test_nccl_buffers_per_rank():
+    assert nccl_buffer_bytes(1) == 0  # a lone rank talks to nobody
+    assert nccl_buffer_bytes(2) == 4 * MiB * 32  # one ring neighbour
+    assert nccl_buffer_bytes(3) == nccl_buffer_bytes(8) == 4 * MiB * 32 * 2
+
+
+def test_fsdp_buffers_hold_three_blocks_in_the_gather_dtype(sizes):
+    """Computing + prefetched block, and the prefetched block's all-gather output until its copy-out."""
+    wan = sizes["wan14"]
+    block = max(wan.blocks[0].bytes_per_block)  # 702.8 MB in bf16
+    assert fsdp_buffer_bytes(wan, 2, gather_itemsize=2) == pytest.approx(3 * block + nccl_buffer_bytes(2), abs=8)
+    # fp8 weights travel as fp8; ComfyUI's ops then cast one layer at a time (the FFN's 5120 x 13824) to bf16
+    fp8 = fsdp_buffer_bytes(wan, 4, gather_itemsize=1)
+    assert fp8 == pytest.approx(3 * block / 2 + 5120 * 13824 * 2 + nccl_buffer_bytes(4), rel=1e-3)
+    fewer = fsdp_buffer_bytes(wan, 2, gather_itemsize=2, gathered_blocks=1)
+    assert fewer < fsdp_buffer_bytes(wan, 2, gather_itemsize=2)
 
 
 # -------------------------------------------------------------------------------------------- weights

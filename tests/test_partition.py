@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 import ckpt_layouts as L
 from mgpu.devices import parse_spec
 from mgpu.errors import PlanError
-from mgpu.estimates import Workload
+import math
+
+from mgpu.estimates import Workload, dit_working_bytes, fsdp_buffer_bytes
 from mgpu.partition import PHASES, Component, Plan, Policy, make_plan
 from mgpu.sizing import size_component
 
@@ -97,8 +99,14 @@ def test_four_16gib_gpus(wan14b):
     with pytest.raises(PlanError, match="sharded over 4 GPUs"):
         plan(wan14b, "4x16GiB:pcie,cpu=64GiB")
     p = plan(wan14b, "4x16GiB:pcie,cpu=64GiB", dit_dtype="fp8_e4m3fn")
-    assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
-    assert p.placement("vae").tiled  # untiled decode does not fit beside a shard
+    # Three of the four: the calibrated Wan 14B activations (9.75 bytes x hidden per token, x 1.2 safety: 8.4 GiB per
+    # batch item at 720p; the uncalibrated formula said 9.4 GiB) leave room for a third of the fp8 weights, its
+    # all-gather buffers and NCCL's. Fewest GPUs that fit wins.
+    assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1", "cuda:2"])
+    assert p.placement("dit").batch_per_rank == 1
+    # untiled decode (13.4 GiB by the rule) does not fit beside a shard, but the GPU the DiT left free holds it
+    vae = p.placement("vae")
+    assert (vae.devices, vae.tiled) == (["cuda:3"], False)
     assert_within_budgets(p)
 
 
@@ -118,6 +126,47 @@ def test_fsdp_is_bounded_by_the_smallest_gpu(wan14b):
         plan(wan14b, "cuda:0=24GiB,cuda:1=16GiB,cpu=64GiB", workload=SD_81)
     p = plan(wan14b, "cuda:0=24GiB,cuda:1=22GiB,cpu=64GiB", workload=SD_81)
     assert any("smallest member bounds" in r for r in p.placement("dit").reasons)
+
+
+def _fsdp_rank_need(sizes, workload: Workload, ranks: int) -> int:
+    """A rank's need recomputed from the estimates: its shard, the root unit, activations, FSDP and NCCL buffers."""
+    dit = sizes["dit"]
+    resident = math.ceil(dit.total_bytes / ranks) + dit.bytes_outside_blocks
+    buffers = fsdp_buffer_bytes(dit, ranks, gather_itemsize=2)
+    return resident + dit_working_bytes(dit, workload, batch=1, comfyui=False) + buffers
+
+
+def _gpus(budget: int, count: int) -> str:
+    reserve = Policy().reserve_bytes
+    return ",".join(f"cuda:{i}={budget + reserve}B" for i in range(count)) + ",cpu=64GiB"
+
+
+def test_fsdp_need_includes_the_all_gather_and_nccl_buffers(wan14b):
+    """Two GPUs with exactly a rank's need shard the DiT; one byte less is refused, so the buffers (2.1 GiB of
+    gathered blocks in bf16 and 128 MiB of NCCL buffers for Wan 14B) are counted, not just shard + activations."""
+    dit = [Component("dit", wan14b["dit"])]
+    need = _fsdp_rank_need(wan14b, SD_81, 2)
+    p = make_plan(dit, parse_spec(_gpus(need, 2)), SD_81)
+    placed = p.placement("dit")
+    assert (placed.strategy, placed.devices, placed.reshard_after_forward) == ("fsdp", ["cuda:0", "cuda:1"], True)
+    assert all(u.headroom_bytes == 0 for u in p.usage if u.device != "cpu")
+    with pytest.raises(PlanError, match="sharded over 2 GPUs needs"):
+        make_plan(dit, parse_spec(_gpus(need - 1, 2)), SD_81)
+    buffers = fsdp_buffer_bytes(wan14b["dit"], 2, gather_itemsize=2)
+    assert buffers > 2 * GiB  # what a plan without them would have wrongly accepted
+
+
+def test_one_gpu_needs_comfyuis_reservation_beside_the_weights(wan14b):
+    """720p on one GPU: ComfyUI keeps 14.0 GiB free to load the 14B model fully (more than our 8.4 GiB), so a GPU
+    that holds the weights plus our estimate but not ComfyUI's reservation does not get the DiT."""
+    dit = wan14b["dit"]
+    ours = dit.total_bytes + dit_working_bytes(dit, HD_81, batch=1, comfyui=False)
+    theirs = dit.total_bytes + dit_working_bytes(dit, HD_81, batch=1)
+    assert theirs - ours > 5 * GiB
+    only_dit = [Component("dit", dit)]
+    assert strategies(make_plan(only_dit, parse_spec(_gpus(theirs, 1)), HD_81))["dit"] == ("single", ["cuda:0"])
+    with pytest.raises(PlanError, match="DiT on one GPU needs"):
+        make_plan(only_dit, parse_spec(_gpus(theirs - 1, 1)), HD_81)
 
 
 @pytest.mark.parametrize("offload", [True, False])

@@ -1,0 +1,105 @@
+"""bench/gpu_check.py runs unattended and stops by itself; bench/calibrate_memory.py's ComfyUI figures are the ones
+mgpu.estimates restates (and calibrates against), on whichever ComfyUI COMFYUI_PATH names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from comfyui_env import SKIP_REASON, find_comfyui
+from mgpu.estimates import (COMFYUI_EXTRA_RESERVED_BYTES, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES,
+                            comfyui_reservation_bytes)
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def run_script(*args: str, timeout: float) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        report = {}
+    return proc.returncode, report, proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_gpu_check_dry_run_runs_every_section_on_cpu():
+    rc, report, err = run_script(str(BENCH / "gpu_check.py"), "--dry-run", "--deadline", "400", timeout=500)
+    sections = report["sections"]
+    assert rc == 0, err[-3000:]
+    assert list(sections) == ["environment", "inventory", "fsdp", "calibration", "fp8", "load_throughput"]
+    assert all(s["ok"] for s in sections.values()), {k: s.get("error") for k, s in sections.items()}
+    assert report["watchdog"]["killed"] is False
+    fsdp = sections["fsdp"]
+    assert fsdp["matches"] and fsdp["output_shape"][0] == 2   # a CFG batch through a gloo cpu rank, as run directly
+    assert fsdp["load_report"]["bytes_read"] == fsdp["checkpoint_bytes"]   # one rank reads every slice
+    calibration = sections["calibration"]
+    assert [p["tokens"] for p in calibration["points"]] == [32, 64, 128]
+    assert all(p["measured_bytes"] > 0 and p["ours_bytes"] > 0 for p in calibration["points"])
+    fp8 = sections["fp8"]
+    assert fp8["weight_bytes_fp8"] * 2 == fp8["weight_bytes_bf16"]
+    assert fp8["upcast_rel_error"] < 0.1 and fp8["scaled_mm_rel_error"] < 0.1
+    load = sections["load_throughput"]
+    assert load["cold"]["bytes_read"] == load["warm"]["bytes_read"] == load["checkpoint_bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_watchdog_ends_a_hung_run_and_its_ranks():
+    began = time.monotonic()
+    rc, report, err = run_script(str(BENCH / "gpu_check.py"), "--dry-run", "--deadline", "5", "--simulate-hang",
+                                 timeout=200)
+    took = time.monotonic() - began
+    assert rc == 3, err[-3000:]
+    watchdog = report["watchdog"]
+    assert watchdog["killed"] and watchdog["while_running"] == "hang"
+    assert report["sections"]["environment"]["ok"]   # what finished before the hang is kept
+    assert took < 5 + 20 + 30                       # deadline + grace + the kill and slow start-up on shared cores
+    for pid in [report["pid"], *report["rank_pids"]]:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    comfyui = find_comfyui()
+    if comfyui is None:
+        pytest.skip(SKIP_REASON)
+    out = tmp_path_factory.mktemp("calibrate") / "report.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "calibrate_memory.py"), "--tokens", "512", "1024",
+                           "--families", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b", "ltxv-2b", "ltxv-13b",
+                           "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, env={**ENV, "COMFYUI_PATH": str(comfyui)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| wan2.1-t2v-14b | 1280x720x81 | 75,600 |" in proc.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(900)
+def test_restated_comfyui_rules_equal_comfyuis_own(calibration):
+    """mgpu restates ComfyUI's reservations (it cannot import ComfyUI): they must be what this ComfyUI computes."""
+    assert calibration["extra_reserved_memory"] == COMFYUI_EXTRA_RESERVED_BYTES
+    assert calibration["minimum_inference_memory"] == COMFYUI_MIN_INFERENCE_BYTES
+    for row in calibration["dits"]:
+        assert abs(row["restated_memory_required"] - row["comfyui_memory_required"]) <= 1, row["family"]
+    for row in calibration["vaes"]:
+        used = row["comfyui_memory_used_decode"]
+        assert row["restated_memory_used_decode"] >= used, row["vae"]   # the larger of the versions' rules
+        assert row["need_untiled"] >= comfyui_reservation_bytes(used) + CUDA_OVERHEAD_BYTES, row["vae"]
+    for row in calibration["text_encoders"]:
+        assert row["ours_working"] >= row["comfyui_reservation"] + CUDA_OVERHEAD_BYTES
+
+
+@pytest.mark.timeout(900)
+def test_calibrated_formula_covers_comfyuis_measured_peaks(calibration):
+    """The live-tensor peak of ComfyUI's own one-block network grows per token no faster than our formula, and the
+    budget rule gives a single GPU at least ComfyUI's own reservation."""
+    for row in calibration["dits"]:
+        assert 0 < row["measured_bytes_per_token"] <= row["ours_bytes_per_token"], row["family"]
+        assert row["ours_working_single"] >= row["comfyui_reservation"] + CUDA_OVERHEAD_BYTES
