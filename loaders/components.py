@@ -63,21 +63,38 @@ def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None):
                               clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options)
 
 
-def load_vae(name: str, device: str, plan=None):
-    """A ComfyUI VAE on the chosen device, refused with ComfyUI's message if the file is no VAE it knows.
+def vae_state_dict(path: str) -> tuple[dict, dict | None]:
+    """The VAE's tensors and the file's metadata (which carries LTX-Video's VAE config).
 
-    Also takes the VAE out of an all-in-one checkpoint (LTX-Video ships DiT and VAE in one file, the VAE under
-    ``vae.``), with the file's metadata, which carries the VAE config. Tensors are memory-mapped, so the DiT's
-    bytes in that file are never read.
+    From an all-in-one checkpoint (LTX-Video ships DiT and VAE in one file, the VAE under ``vae.``) only the VAE's
+    tensors are read, without the prefix: ComfyUI's ``load_torch_file`` would read every tensor of the file, the
+    DiT's many GB included. Other files (.pt, .ckpt) go through ComfyUI's own reader.
     """
-    import comfy.sd
     import comfy.utils
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(path, framework="pt", device="cpu")
+    except Exception:   # not safetensors, or a broken one: ComfyUI's reader loads it or says what is wrong
+        return comfy.utils.load_torch_file(path, return_metadata=True)
+    with f:
+        keys = list(f.keys())
+        prefix = "" if any(k.startswith("decoder.") for k in keys) else VAE_PREFIX_IN_CHECKPOINT
+        if prefix and not any(k.startswith(prefix) for k in keys):
+            prefix = ""   # no VAE inside: ComfyUI's VAE says what the file is not
+        copy = comfy.utils.DISABLE_MMAP   # --disable-mmap: no tensor may stay backed by the file
+        sd = {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)}
+        return ({k: v.clone() for k, v in sd.items()} if copy else sd), f.metadata()
+
+
+def load_vae(name: str, device: str, plan=None):
+    """A ComfyUI VAE on the chosen device, refused with ComfyUI's message if the file is no VAE it knows; also the
+    VAE inside an all-in-one checkpoint (``vae_state_dict``)."""
+    import comfy.sd
 
     path = _path("vae", "vae", name)
     load = _single_device("vae", resolve(device, "vae", plan))
-    sd, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
-    if not any(k.startswith("decoder.") for k in sd) and any(k.startswith(VAE_PREFIX_IN_CHECKPOINT) for k in sd):
-        sd = comfy.utils.state_dict_prefix_replace(sd, {VAE_PREFIX_IN_CHECKPOINT: ""}, filter_keys=True)
+    sd, metadata = vae_state_dict(path)
     vae = comfy.sd.VAE(sd=sd, device=load, metadata=metadata)
     vae.throw_exception_if_invalid()
     return vae

@@ -8,10 +8,11 @@ DIFFUSION_MODEL wrappers other nodes add (EasyCache, ...) run around the remote 
 ranks build the same network with ComfyUI's own detection (``loaders.rank_factory``), shard it with FSDP2 and read
 only their slices of the checkpoint.
 
-What cannot travel to the ranks: ``transformer_options`` (sigmas, cond_or_uncond, uuids, wrappers... stay on the
-host; the network does not need them) and anything that patches the network itself (weight patches such as LoRA,
-hook patches, ``patches`` / ``patches_replace``, object patches inside the network, ControlNet). Those raise a
-clear error instead of being ignored; supporting them under FSDP is a later step.
+``transformer_options`` travel with each step as ``loaders.transformer_options`` classifies them (host-only keys stay,
+per-chunk ones are cut to each rank's rows). What cannot travel: anything that patches the network itself (weight
+patches such as LoRA, hook patches, ``patches`` / ``patches_replace``, object patches inside the network,
+ControlNet) and options this pack does not know. Those raise a clear error instead of being ignored; supporting them
+under FSDP is a later step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import itertools
 import logging
 import os
 import time
-import weakref
 
 import comfy.cli_args
 import comfy.model_management as mm
@@ -34,6 +34,7 @@ from mgpu.errors import MgpuError, RankFailure
 from mgpu.sharded import ModelSpec, ShardedModule
 
 from . import pools
+from . import transformer_options as remote_options
 from .placement import NODE_OF_ROLE, resolve
 from .rank_factory import agree_dtype, detect, numeric_flags
 
@@ -52,12 +53,9 @@ GATHER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # M
 _handles = itertools.count()
 
 
-def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None, owner: str | None = None):
-    """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any.
-
-    ``owner`` (the node's id): the FSDP model this node loaded before is freed first, synchronously. ComfyUI drops
-    the old MODEL only after this returns, and a model sized to fit the GPUs does not fit twice."""
-    pools.release_owned(owner)
+def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None, slot: tuple | None = None):
+    """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any;
+    ``slot`` names the loader node (``loader_slot``): its previous FSDP model leaves the GPUs first."""
     path = folder_paths.get_full_path("diffusion_models", unet_name)
     if path is None or not os.path.isfile(path):
         raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
@@ -68,8 +66,25 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
     if choice.strategy == "fsdp":
         return load_fsdp(path, unet_name, pools.fsdp_devices(choice.devices, fsdp_ranks), dtype,
-                         choice.reshard_after_forward, owner)
+                         choice.reshard_after_forward, slot)
     return load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's own partial loading
+
+
+def loader_slot(node_id: str | None, extra_pnginfo: dict | None) -> tuple | None:
+    """Which loader this is, across prompts: its node id within its workflow. Node ids repeat across workflows and
+    browser tabs, so the workflow's id (the page sends it with every prompt) or else the client's id qualifies it.
+    A collision only costs a reload (``pools.occupy``), never a wrong result."""
+    if node_id is None:
+        return None
+    workflow = extra_pnginfo.get("workflow") if isinstance(extra_pnginfo, dict) else None
+    owner = workflow.get("id") if isinstance(workflow, dict) else None
+    if owner is None:
+        try:
+            from server import PromptServer   # ComfyUI's: the client that queued the running prompt
+            owner = PromptServer.instance.client_id
+        except (ImportError, AttributeError):
+            owner = None   # an API call without either: the node id alone
+    return (str(owner), str(node_id))
 
 
 def load_single(path: str, device: torch.device, dtype: str | None):
@@ -99,14 +114,22 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
     ``.to()`` the meta network and fail). Object patches (model sampling, ...) still apply, on the host's BaseModel.
     """
 
+    rank_devices: tuple[str, ...] = ()   # set by load_fsdp; clone() carries it
+
     def model_size(self) -> int:
         return 0
 
-    rank_devices: list[str] = []
+    def clone(self, *args, **kwargs):
+        """ComfyUI's clone builds a fresh instance (every sampler and patching node clones): carry our own state.
+        Arguments pass through, whatever this ComfyUI's clone takes."""
+        n = super().clone(*args, **kwargs)
+        if isinstance(n, ShardedModelPatcher):
+            n.rank_devices = self.rank_devices
+        return n
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False) -> None:
         self._refuse_network_patches()
-        self._free_rank_gpus()
+        free_rank_gpus(self.rank_devices)
         self.model.device = device_to
         self.model.model_loaded_weight_memory = 0
         self.model.current_weight_patches_uuid = self.patches_uuid
@@ -118,16 +141,6 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
         super().unpatch_model(None, unpatch_weights)   # never .to(): the host's network is on meta
         if device_to is not None:
             self.model.device = device_to
-
-    def _free_rank_gpus(self) -> None:
-        """Unload ComfyUI's own models (text encoder, VAE) from the ranks' GPUs before sampling: ComfyUI cannot see
-        the ranks' memory, and the plan counts on the encoder being gone while the DiT computes. They come back
-        by themselves when a later node needs them (the VAE for decoding)."""
-        for d in self.rank_devices:
-            device = torch.device(d)
-            if device.type == "cuda":
-                mm.free_memory(mm.get_total_memory(device), device)
-        mm.soft_empty_cache()
 
     def _refuse_network_patches(self) -> None:
         found = [label for label, present in (
@@ -143,17 +156,24 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
                             "(e.g. LoRA loaders), or load the model on one device")
 
 
+def free_rank_gpus(rank_devices: tuple[str, ...]) -> None:
+    """Unload ComfyUI's own models (text encoder, VAE) from the ranks' GPUs before sampling.
+
+    ComfyUI cannot see the ranks' memory, and the plan counts on the encoder being gone while the DiT computes;
+    they come back by themselves when a later node needs them (the VAE for decoding). Only GPUs where ComfyUI holds
+    a model are touched: asking ComfyUI about any other (free or total memory) would make this process open a
+    CUDA context there, 0.3-0.5 GiB of the ranks' memory for nothing.
+    """
+    ranks = {torch.device(d) for d in rank_devices if torch.device(d).type != "cpu"}
+    held = {m.device for m in mm.current_loaded_models if m.model is not None and m.device in ranks}
+    for device in held:
+        mm.free_memory(1e30, device)
+
+
 def _no_host_memory(input_shape, cond_shapes=None) -> int:
     """BaseModel.memory_required of a sharded model: the host computes nothing, so ComfyUI always batches cond and
     uncond, which the ranks then split between them instead of running two half-idle calls."""
     return 0
-
-
-def _plain(value) -> bool:
-    """Data a rank call can carry besides tensors: scalars, strings, None, and lists/tuples of them."""
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
 
 
 class RemoteForward:
@@ -173,38 +193,34 @@ class RemoteForward:
         for p in self.signature.parameters.values():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 named.update(named.pop(p.name, {}))
-        options = named.pop("transformer_options", None) or {}
-        self._refuse(options, named)
+        options = named.pop("transformer_options", None)
+        odd = [k for k, v in named.items() if not remote_options.plain(v)]
+        if odd:
+            raise MgpuError(f"{self.label}: the network got {', '.join(odd)} (e.g. ControlNet), which cannot be sent "
+                            "to the FSDP ranks yet; remove that node, or load the model on one device")
         x = next(v for v in named.values() if isinstance(v, torch.Tensor))
+        if options is not None:
+            named["transformer_options"] = remote_options.for_ranks(options, x.shape[0], self.label)
         try:
-            out = self.sharded(**named, timeout=options.get(OPTIONS_KEY, {}).get("timeout_s"))
+            out = self.sharded(**named, timeout=(options or {}).get(OPTIONS_KEY, {}).get("timeout_s"))
         except RankFailure as exc:
             raise pools.explain(exc, f"{self.label}: a denoising step") from exc
         return out.to(x.device)
 
-    def _refuse(self, options: dict, named: dict) -> None:
-        patched = [k for k in ("patches", "patches_replace") if options.get(k)]
-        if patched:
-            raise MgpuError(f"{self.label}: the sampler passes transformer_options {', '.join(patched)} (set by "
-                            "patching nodes), which cannot run on the FSDP ranks; remove those nodes, or load the "
-                            "model on one device")
-        odd = [k for k, v in named.items() if not isinstance(v, torch.Tensor) and not _plain(v)]
-        if odd:
-            raise MgpuError(f"{self.label}: the network got {', '.join(odd)} (e.g. ControlNet), which cannot be sent "
-                            "to the FSDP ranks yet; remove that node, or load the model on one device")
-
 
 class _ComfyShardedModule(ShardedModule):
-    """Each (re)load first runs ``prepare`` on the ranks: it imports ComfyUI there outside the meta-device build
-    and agrees on the dtype. The first load fixes the dtype; reloads after a rank failure keep it, since the host's
-    BaseModel was built for it."""
+    """Each (re)load first takes its loader's slot (``pools.occupy``), then runs ``prepare`` on the ranks: it
+    imports ComfyUI there outside the meta-device build and agrees on the dtype. The first load fixes the dtype;
+    reloads (after a rank failure, or an eviction) keep it, since the host's BaseModel was built for it."""
 
-    def __init__(self, pool, spec: ModelSpec, handle: str, unet_dtype: str | None):
+    def __init__(self, pool, spec: ModelSpec, handle: str, unet_dtype: str | None, slot: tuple | None = None):
         super().__init__(pool, spec, handle)
         self.unet_dtype = unet_dtype
         self.manual_cast: str | None = None
+        self.slot = slot
 
     def load(self, timeout: float | None = None) -> list[dict]:
+        pools.occupy(self.slot, self)
         kwargs = self.spec.factory_kwargs
         replies = self.pool.call(PREPARE, {"checkpoint": self.spec.checkpoint, "flags": kwargs["flags"],
                                            "unet_dtype": self.unet_dtype}, timeout=timeout)
@@ -217,8 +233,9 @@ class _ComfyShardedModule(ShardedModule):
 
 
 def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True,
-              owner: str | None = None):
+              slot: tuple | None = None):
     """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here."""
+    pools.release_garbage()   # a model this one replaces leaves the GPUs first
     model_config, sd, prefix = detect(path)
     handle = f"dit-{next(_handles)}"
     comfy_root = os.path.dirname(os.path.abspath(folder_paths.__file__))   # the ComfyUI checkout
@@ -227,7 +244,7 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
                      reshard_after_forward=reshard_after_forward,
                      factory_kwargs={"checkpoint": path, "devices": devices,
                                      "flags": numeric_flags(comfy.cli_args.args)})
-    sharded = _ComfyShardedModule(pool, spec, handle, dtype)
+    sharded = _ComfyShardedModule(pool, spec, handle, dtype, slot)
     label = f"{name} sharded over {len(devices)} ranks ({', '.join(devices)})"
     began = time.perf_counter()
     try:
@@ -242,12 +259,17 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
         if isinstance(exc, RankFailure):
             raise pools.explain(exc, f"{NODE}: loading {label}") from exc
         raise
-    weakref.finalize(base, pools.release_later, sharded)   # ComfyUI dropped the MODEL: free the shards
-    pools.own(owner, sharded)
+    return sharded_patcher(base, sharded, devices, label)
+
+
+def sharded_patcher(base, sharded: ShardedModule, devices: list[str], label: str) -> ShardedModelPatcher:
+    """The MODEL around the host's meta ``base``: its network's forward runs on ``sharded``, whose shards are
+    freed once ComfyUI drops the last clone of it."""
+    pools.release_with(base, sharded)
     cpu = torch.device("cpu")   # the host only does the sampler's arithmetic on the latent
     base.device = cpu
     patcher = ShardedModelPatcher(base, load_device=cpu, offload_device=cpu)
-    patcher.rank_devices = list(devices)
+    patcher.rank_devices = tuple(devices)
     signature = inspect.signature(base.diffusion_model._forward)
     patcher.add_object_patch(REMOTE_FORWARD, RemoteForward(sharded, label, signature))
     patcher.add_object_patch("memory_required", _no_host_memory)

@@ -2,17 +2,21 @@
 
 Starting ranks costs seconds to minutes (imports, CUDA contexts, rendezvous), so every MGPU model on the same devices
 shares one pool, and the ranks outlive the models: a model ComfyUI drops (its node cache moved on, or POST /free)
-gives its shards back, and the next model on these devices starts at once. A pool left without models is stopped
-when one on other devices starts, so idle ranks never pile up. Ranks never outlive ComfyUI: ``mgpu.pool`` closes
-every pool at exit, and a rank dies with its host if that is killed (PR_SET_PDEATHSIG and a watchdog).
+gives its shards back, and the next model on these devices starts at once; a loader run again first takes the model
+it loaded before off the GPUs (``occupy``). A pool left without models is stopped when one on other devices starts,
+so idle ranks never pile up. Ranks never outlive ComfyUI: ``mgpu.pool`` closes every pool at exit, and a rank dies
+with its host if that is killed (PR_SET_PDEATHSIG and a watchdog).
 
 No ComfyUI import here: this is plain bookkeeping, unit-tested without ComfyUI.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
+from collections import deque
 
 from mgpu.errors import MgpuError, RankFailure
 from mgpu.pool import PoolConfig, RankPool
@@ -22,7 +26,9 @@ log = logging.getLogger("mgpu")
 _lock = threading.Lock()
 _pools: dict[tuple[str, ...], RankPool] = {}
 _models: dict[tuple[str, ...], set[str]] = {}   # handles of the models loaded (or loading) on each pool
-_owned: dict[str, object] = {}                    # node id -> the ShardedModule that node loaded last
+_collected: deque = deque()                       # ShardedModules whose MODEL is gone, not yet released
+_slots: dict[tuple, object] = {}                  # loader slot -> the ShardedModule it has (or last had) loaded
+_drain_lock = threading.Lock()                    # one drain at a time: a load waits for a release in progress
 
 
 def fsdp_devices(devices: list[str], ranks: int) -> list[str]:
@@ -56,34 +62,68 @@ def acquire(devices: list[str], handle: str, extra_sys_path: list[str]) -> RankP
 
 
 def release(sharded) -> None:
-    """Free ``sharded``'s shards on its ranks; the ranks stay up for the next model on these devices."""
+    """Free ``sharded``'s shards on its ranks for good; the ranks stay up for the next model on these devices."""
     with _lock:   # serialised with acquire(), which may stop this pool once it holds no model
         _models.get(tuple(sharded.pool.config.devices), set()).discard(sharded.handle)
-        try:
-            sharded.free()
-        except MgpuError as exc:   # the pool tore itself down; whoever uses it next restarts it
-            log.warning("MGPU: freeing %s on its FSDP ranks failed: %s", sharded.spec.checkpoint, exc)
-        else:
-            log.info("MGPU: %s is no longer used; its shards on the FSDP ranks were freed", sharded.spec.checkpoint)
+        for slot in [k for k, v in _slots.items() if v is sharded]:
+            del _slots[slot]
+        _free(sharded, "is no longer used")
 
 
-def own(owner: str | None, sharded) -> None:
-    """Remember that node ``owner`` loaded ``sharded``, so its next run can free it first (``release_owned``)."""
-    if owner is not None:
-        _owned[owner] = sharded
+def _free(sharded, why: str) -> None:
+    try:
+        sharded.free()
+    except MgpuError as exc:   # the pool tore itself down; whoever uses it next restarts it
+        log.warning("MGPU: freeing %s on its FSDP ranks failed: %s", sharded.spec.checkpoint, exc)
+    else:
+        log.info("MGPU: %s %s; its shards on the FSDP ranks were freed", sharded.spec.checkpoint, why)
 
 
-def release_owned(owner: str | None) -> None:
-    """Free, now, the model node ``owner`` loaded before: its replacement must not load beside it."""
-    previous = _owned.pop(owner, None) if owner is not None else None
-    if previous is not None:
-        release(previous)
+def occupy(slot: tuple | None, sharded) -> None:
+    """``sharded`` is about to (re)load for ``slot``, one loader node of one workflow: the model that slot loaded
+    before leaves the GPUs first, so two generations of one loader never sit there together.
+
+    Needed besides ``release_garbage``: newer ComfyUI's default cache (RAM pressure) and ``--cache-lru`` still hold
+    the replaced MODEL when its loader runs again, on a host with RAM to spare for as long as it likes. The evicted
+    model stays a working MODEL (its loader may be set back and hit the cache): sampling it reloads it, and that
+    reload evicts the newer one in turn. Models of other slots are never touched."""
+    if slot is None:
+        return
+    with _lock:
+        previous, _slots[slot] = _slots.get(slot), sharded
+        if previous is not None and previous is not sharded and previous.loaded:
+            _free(previous, f"was replaced by its loader ({slot[1]}) and may load again when used")
 
 
-def release_later(sharded) -> None:
-    """``release`` from a garbage-collection finalizer: on its own thread, because the collector can run in the
-    middle of a pool call on this thread, and the pool lock would let a nested call through."""
-    threading.Thread(target=release, args=(sharded,), name="mgpu-release", daemon=True).start()
+def release_with(model: object, sharded) -> None:
+    """Free ``sharded``'s shards once ``model`` (the host's BaseModel, which every clone of the MODEL shares) is
+    garbage: ownership follows the loaded model, not the node that loaded it, so a model any workflow, browser
+    tab or cache entry still holds is never freed, whatever node ids collide."""
+    weakref.finalize(model, _on_collected, sharded).atexit = False   # at exit mgpu.pool closes every pool
+
+
+def _on_collected(sharded) -> None:
+    """Finalizer: queue the release. No pool call here: the collector can run in the middle of a pool call on
+    this thread, and the pool lock would let a nested call through. A thread drains the queue in case no load
+    comes to do it first."""
+    _collected.append(sharded)
+    threading.Thread(target=drain, name="mgpu-release", daemon=True).start()
+
+
+def drain() -> None:
+    """Release every queued model now. Also waits for a drain already running elsewhere."""
+    with _drain_lock:
+        while _collected:
+            release(_collected.popleft())
+
+
+def release_garbage() -> None:
+    """Before a load: free, synchronously, the shards of every model ComfyUI has dropped. ComfyUI's classic cache
+    (0.3.64's default) lets go of the outputs a new prompt no longer uses before any node runs, so there a loader
+    run again with other inputs finds its previous model already garbage; with the caches that keep it, ``occupy``
+    takes it off the GPUs."""
+    gc.collect()
+    drain()
 
 
 def explain(exc: RankFailure, what: str) -> RankFailure:

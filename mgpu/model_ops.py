@@ -66,6 +66,9 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     seconds["build"] = time.perf_counter() - t0
     shard(model, ctx.mesh, blocks=payload.get("blocks"), param_dtype=param_dtype,
           reshard_after_forward=payload.get("reshard_after_forward", True), prefetch=payload.get("prefetch", 1))
+    for unit in model.modules():   # a cancelled step stops before the next block, on every rank at once
+        if isinstance(unit, FSDPModule) and unit is not model:
+            unit.register_forward_pre_hook(lambda module, args: ctx.raise_if_cancelled(), prepend=True)
     materialize(model, ctx.torch_device)
     seconds["shard"] = time.perf_counter() - t0 - seconds["build"]
     report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
@@ -76,12 +79,27 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
             "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype)}
 
 
-def _resolve(ref: dict, tensors: Tensors, cache: dict[str, torch.Tensor], device: torch.device) -> Any:
+def _resolve(ref: dict, tensors: Tensors, cache: dict[str, torch.Tensor], device: torch.device,
+             rows: tuple[int, int, int]) -> Any:
     if "t" in ref:
         return tensors[ref["t"]].to(device, non_blocking=True)
     if "c" in ref:
         return cache[ref["c"]]
+    if "d" in ref:   # a dict whose entries are references (ComfyUI's transformer_options)
+        return {k: _resolve(r, tensors, cache, device, rows) for k, r in ref["d"].items()}
+    if "chunks" in ref:
+        return _chunk_rows(_resolve(ref["chunks"], tensors, cache, device, rows), *rows)
     return ref["v"]
+
+
+def _chunk_rows(values: Any, batch: int, lo: int, hi: int) -> Any:
+    """The entries of rows [lo, hi) of a list or tensor with one entry per equal chunk of the batch (``PerChunk``):
+    one per whole chunk the rows cover, else (the rows cut a chunk) one per row, so entries and rows still agree."""
+    per = batch // len(values)
+    if lo % per == 0 and hi % per == 0:
+        return values[lo // per:hi // per]
+    picked = [row // per for row in range(lo, hi)]
+    return values[picked] if isinstance(values, torch.Tensor) else [values[i] for i in picked]
 
 
 def _rows(value: Any, batch: int, lo: int, hi: int, batched: bool) -> Any:
@@ -114,9 +132,10 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
     if lo == hi:
         lo, hi = 0, 1  # a forward on one row keeps this rank in the all-gathers; its output is dropped
     batched = set(payload.get("batched", ()))
-    args = [_rows(_resolve(r, tensors, cache, ctx.torch_device), batch, lo, hi, f"arg{i}" in batched)
+    rows = (batch, lo, hi)
+    args = [_rows(_resolve(r, tensors, cache, ctx.torch_device, rows), batch, lo, hi, f"arg{i}" in batched)
             for i, r in enumerate(payload["args"])]
-    kwargs = {k: _rows(_resolve(r, tensors, cache, ctx.torch_device), batch, lo, hi, k in batched)
+    kwargs = {k: _rows(_resolve(r, tensors, cache, ctx.torch_device, rows), batch, lo, hi, k in batched)
               for k, r in payload["kwargs"].items()}
     try:
         with torch.no_grad():   # not inference_mode: FSDP2 bumps version counters (crashes at world size 1)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import xxhash
 
-from mgpu.errors import RankFailure
+from mgpu.errors import CallCancelled, RankFailure
 from mgpu.pool import RankPool
 from mgpu.torch_support import require_fsdp_torch
 
@@ -41,6 +42,14 @@ class ModelSpec:
     prefetch: int = 1                      # blocks all-gathered ahead of the one computing
     cached_inputs: tuple[str, ...] = ()    # kwargs sent once and cached by content (e.g. "context")
     split_batch: bool = True               # False: every rank computes the whole batch (for comparison only)
+
+
+@dataclass(frozen=True)
+class PerChunk:
+    """Inside a dict argument: a list or tensor with one entry per equal chunk of the batch rows (ComfyUI's
+    ``cond_or_uncond``: one per cond/uncond chunk; ``sigmas``: one per row). Each rank gets the entries of its rows."""
+
+    value: Any
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -111,10 +120,12 @@ class ShardedModule:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.forward(*args, **kwargs)
 
-    def forward(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, timeout: float | None = None, cancelled: Callable[[], bool] | None = None,
+                **kwargs: Any) -> torch.Tensor:
         """Run the sharded forward; the batch (dim 0 of the first tensor) is split over the ranks.
 
         A tensor argument is split with it when its dim 0 equals the batch; anything else reaches every rank whole.
+        A dict argument travels entry by entry (tensors through shared memory), whole, except its ``PerChunk`` entries.
         """
         if not self.loaded:
             self.load()
@@ -124,12 +135,16 @@ class ShardedModule:
                                    "split": self.spec.split_batch}
         used: list[str] = []
 
-        def ref(name: str, value: Any) -> dict:
+        def ref(name: str, value: Any, nested: bool = False) -> dict:
+            if isinstance(value, dict):   # its tensors travel through shared memory too, never split by shape
+                return {"d": {k: ref(f"{name}.{k}", v, nested=True) for k, v in value.items()}}
+            if isinstance(value, PerChunk):
+                return {"chunks": ref(name, value.value, nested=True)}
             if not isinstance(value, torch.Tensor):
                 return {"v": value}
-            if value.dim() > 0 and value.shape[0] == batch:
+            if not nested and value.dim() > 0 and value.shape[0] == batch:
                 payload["batched"].append(name)
-            if name in self.spec.cached_inputs:
+            if not nested and name in self.spec.cached_inputs:
                 digest = self._cache.digest(value)
                 used.append(digest)
                 if digest not in self._cache.on_ranks:
@@ -143,8 +158,8 @@ class ShardedModule:
         payload["kwargs"] = {k: ref(k, v) for k, v in kwargs.items()}
         payload["cache_drop"] = self._plan_cache(used)
         try:
-            replies = self.pool.call(OPS + "forward", payload, tensors, timeout=timeout)
-        except RankFailure:
+            replies = self.pool.call(OPS + "forward", payload, tensors, timeout=timeout, cancelled=cancelled)
+        except (RankFailure, CallCancelled):
             self._cache.reset()
             raise
         parts = sorted((tuple(r.payload["rows"]), r.tensors["out"]) for r in replies if "out" in r.tensors)

@@ -32,7 +32,7 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
                 PlanType.Input("plan", optional=True),
             ],
             outputs=[io.Model.Output()],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.extra_pnginfo],
         )
 
     @classmethod
@@ -43,5 +43,5 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
 
     @classmethod
     def execute(cls, unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None) -> io.NodeOutput:
-        return io.NodeOutput(diffusion.load(unet_name, weight_dtype, device, fsdp_ranks, plan,
-                                            owner=str(cls.hidden.unique_id)))
+        slot = diffusion.loader_slot(cls.hidden.unique_id, cls.hidden.extra_pnginfo)
+        return io.NodeOutput(diffusion.load(unet_name, weight_dtype, device, fsdp_ranks, plan, slot))

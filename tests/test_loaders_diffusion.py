@@ -4,6 +4,7 @@ sharing and release, rank-failure messages, header-only meta state dicts. The Co
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -122,16 +123,19 @@ class FakeSharded:
     handle: str
     spec: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(checkpoint="model.safetensors"))
     freed: int = 0
+    loaded: bool = True
 
     def free(self) -> None:
         self.freed += 1
+        self.loaded = False
 
 
 @pytest.fixture
 def fake_pools(monkeypatch):
     monkeypatch.setattr(pools, "_pools", {})
     monkeypatch.setattr(pools, "_models", {})
-    monkeypatch.setattr(pools, "_owned", {})
+    monkeypatch.setattr(pools, "_slots", {})
+    monkeypatch.setattr(pools, "_collected", deque())
     monkeypatch.setattr(pools, "RankPool", FakePool)
     monkeypatch.setattr(pools, "PoolConfig", lambda **kw: SimpleNamespace(**kw))
 
@@ -157,27 +161,59 @@ def test_a_pool_on_other_devices_stops_only_the_idle_pools(fake_pools) -> None:
     assert pools.acquire(["cuda:0", "cuda:1"], "d", []) is not idle   # a stopped pool is never handed out again
 
 
-def test_a_node_run_again_frees_its_previous_model_first(fake_pools) -> None:
+class Model:
+    """Stands in for the host's BaseModel, which every clone of a MODEL shares."""
+
+
+def test_a_model_is_freed_when_its_model_is_garbage_not_before(fake_pools) -> None:
     pool = pools.acquire(["cpu", "cpu"], "a", [])
-    first = FakeSharded(pool, "a")
-    pools.own("12", first)
-    pools.release_owned("13")               # another node: nothing of node 12 is touched
-    assert first.freed == 0
-    pools.release_owned("12")               # node 12 runs again: its old shards go before the new ones load
-    assert first.freed == 1 and "a" not in pools._models[("cpu", "cpu")]
-    pools.release_owned("12")
-    assert first.freed == 1                 # released once
-    pools.release_owned(None)               # no node id (a direct call): nothing to do
+    held, dropped = Model(), Model()
+    kept, gone = FakeSharded(pool, "a"), FakeSharded(pool, "b")
+    pools.release_with(held, kept)
+    pools.release_with(dropped, gone)
+    cycle = [dropped]
+    cycle.append(cycle)   # only the collector frees it, as with ComfyUI's caches
+    del dropped, cycle
+    pools.release_garbage()                    # synchronously: freed before the load that called it goes on
+    assert (gone.freed, kept.freed) == (1, 0)
+    assert "b" not in pools._models[("cpu", "cpu")] and "a" in pools._models[("cpu", "cpu")]
 
 
-def test_release_later_frees_off_the_calling_thread(fake_pools) -> None:
+def test_a_model_dropped_with_no_load_coming_is_freed_by_the_fallback_thread(fake_pools) -> None:
     pool = pools.acquire(["cpu"], "a", [])
-    sharded = FakeSharded(pool, "a")
-    pools.release_later(sharded)
+    model, sharded = Model(), FakeSharded(pool, "a")
+    pools.release_with(model, sharded)
+    del model
     deadline = time.monotonic() + 5
     while not sharded.freed and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sharded.freed == 1
+    pools.drain()
+    assert sharded.freed == 1                  # released once
+
+
+def test_a_loader_run_again_evicts_only_its_own_previous_model(fake_pools) -> None:
+    pool = [pools.acquire(["cpu", "cpu"], h, []) for h in ("a", "b", "c")][0]
+    tab_a, tab_b, tab_b_again = (FakeSharded(pool, h) for h in ("a", "b", "c"))
+    pools.occupy(("tab-A", "4"), tab_a)
+    pools.occupy(("tab-B", "4"), tab_b)       # the same node id in another workflow: tab A's model stays
+    assert (tab_a.freed, tab_b.freed) == (0, 0)
+    pools.occupy(("tab-B", "4"), tab_b_again)  # node 4 of tab B loads again: its previous model goes first
+    assert (tab_a.freed, tab_b.freed) == (0, 1)
+    assert "b" in pools._models[("cpu", "cpu")]   # evicted, not released: it reloads if sampled again
+    tab_b.loaded = True
+    pools.occupy(("tab-B", "4"), tab_b)       # ... and that reload evicts the newer one in turn
+    assert tab_b_again.freed == 1
+    pools.occupy(None, FakeSharded(pool, "d"))  # no slot (a direct call): nothing evicted
+    assert (tab_a.freed, tab_b.freed) == (0, 1)
+
+
+def test_a_released_model_leaves_its_slot(fake_pools) -> None:
+    pool = pools.acquire(["cpu"], "a", [])
+    first, second = FakeSharded(pool, "a"), FakeSharded(pool, "b")
+    pools.occupy(("w", "4"), first)
+    pools.release(first)
+    pools.occupy(("w", "4"), second)
+    assert first.freed == 1 and pools._slots == {("w", "4"): second}
 
 
 # ----------------------------------------------------------------------------------------------- messages

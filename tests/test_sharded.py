@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiny_models as T
-from mgpu.errors import RankFailure
+from mgpu.errors import CallCancelled, RankFailure
 from mgpu.model_ops import batch_rows
 from mgpu.pool import PoolConfig, RankPool
 from mgpu.sharded import ModelSpec, ShardedModule
@@ -67,8 +67,8 @@ def test_each_rank_computes_its_own_rows(sharded, checkpoint, monkeypatch):
     replies = []
     real_call = sharded.pool.call
 
-    def spy(op, payload=None, tensors=None, timeout=None):
-        out = real_call(op, payload, tensors, timeout)
+    def spy(op, payload=None, tensors=None, **kwargs):
+        out = real_call(op, payload, tensors, **kwargs)
         replies.extend(out)
         return out
 
@@ -117,13 +117,36 @@ def test_each_rank_reads_only_its_rows_from_disk(tmp_path):
             f"rank {rank} read {got:,} bytes of a {file_bytes:,}-byte file shared by {ranks} ranks")
 
 
+def test_a_cancelled_step_stops_between_blocks_and_the_model_stays_loaded(tmp_path):
+    """ComfyUI's Cancel during a long step: every rank stops before its next block (not after the step), the pool
+    and the loaded shards stay, and the next step is exact."""
+    path = tmp_path / "mlp.safetensors"
+    reference = T.reference("mlp")
+    T.save_checkpoint(reference, path)
+    pool = RankPool(PoolConfig(devices=["cpu", "cpu"], extra_sys_path=[TESTS], call_timeout_s=120))
+    try:
+        model = ShardedModule(pool, ModelSpec(factory="tiny_models:slow_mlp", checkpoint=str(path),
+                                              factory_kwargs={"seconds_per_block": 1.0}))
+        model.load()
+        generation = pool.generation
+        x = T.mlp_inputs(2)["x"]
+        t0 = time.monotonic()
+        with pytest.raises(CallCancelled) as info:
+            model(x=x, cancelled=lambda: time.monotonic() - t0 > 0.5)   # the step would take 4 s
+        assert time.monotonic() - t0 < 2.5 and info.value.pool_kept
+        assert pool.generation == generation and model.loaded
+        torch.testing.assert_close(model(x=x), reference(x), atol=1e-5, rtol=1e-5)
+    finally:
+        pool.close()
+
+
 def test_text_context_is_sent_once(sharded, monkeypatch):
     calls = []
     real_call = sharded.pool.call
 
-    def spy(op, payload=None, tensors=None, timeout=None):
+    def spy(op, payload=None, tensors=None, **kwargs):
         calls.append((op, dict(payload or {}), sorted(tensors or {})))
-        return real_call(op, payload, tensors, timeout)
+        return real_call(op, payload, tensors, **kwargs)
 
     monkeypatch.setattr(sharded.pool, "call", spy)
     inputs = T.diffusers_wan_inputs(2, seed=11)

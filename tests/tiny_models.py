@@ -58,6 +58,14 @@ def wide_mlp() -> TinyMLP:
     return TinyMLP(dim=512, hidden=1024)
 
 
+def slow_mlp(seconds_per_block: float) -> TinyMLP:
+    """TinyMLP whose every block takes ``seconds_per_block``: a step long enough to cancel in the middle."""
+    model = TinyMLP()
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: time.sleep(seconds_per_block))
+    return model
+
+
 def mlp_inputs(batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"x": torch.randn(batch, 5, 8, generator=g)}
