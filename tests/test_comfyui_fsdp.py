@@ -371,3 +371,13 @@ def test_ranks_exit_with_comfyui(tmp_path: Path) -> None:
     finally:
         leftovers = own.stop()
     assert not leftovers, leftovers
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_every_rank_count_the_menu_offers_matches_stock(server: ComfyServer, ranks: int) -> None:
+    """fsdp_ranks 1 (a one-GPU machine choosing fsdp: FSDP2's world-size-1 path) and 3 (uneven shards, a rank with
+    no batch row) sample what stock sampling does."""
+    entry = run(server, sharded_prompt(steps=2, seed=5, with_stock=True, ranks=ranks))
+    lat = latents(server, entry)
+    assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
+    assert f"{WAN} sharded over {ranks} ranks ({', '.join(['cpu'] * ranks)}) loaded" in server.log()
