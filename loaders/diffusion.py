@@ -30,7 +30,7 @@ import comfy.sd
 import folder_paths
 import torch
 
-from mgpu.errors import MgpuError, RankFailure
+from mgpu.errors import CallCancelled, MgpuError, RankFailure
 from mgpu.sharded import ModelSpec, ShardedModule
 
 from . import pools
@@ -202,10 +202,20 @@ class RemoteForward:
         if options is not None:
             named["transformer_options"] = remote_options.for_ranks(options, x.shape[0], self.label)
         try:
-            out = self.sharded(**named, timeout=(options or {}).get(OPTIONS_KEY, {}).get("timeout_s"))
+            out = self.sharded(**named, timeout=(options or {}).get(OPTIONS_KEY, {}).get("timeout_s"),
+                               cancelled=mm.processing_interrupted)
         except RankFailure as exc:
             raise pools.explain(exc, f"{self.label}: a denoising step") from exc
+        except CallCancelled as exc:
+            raise_interrupted(exc, self.label)
         return out.to(x.device)
+
+
+def raise_interrupted(exc: CallCancelled, label: str):
+    """ComfyUI's Cancel reached the ranks: end the prompt as ComfyUI's own interrupt does (and clear its flag)."""
+    log.info("%s: %s", label, exc)
+    mm.throw_exception_if_processing_interrupted()
+    raise mm.InterruptProcessingException() from exc   # the flag was cleared meanwhile: still an interrupt
 
 
 class _ComfyShardedModule(ShardedModule):
@@ -219,17 +229,17 @@ class _ComfyShardedModule(ShardedModule):
         self.manual_cast: str | None = None
         self.slot = slot
 
-    def load(self, timeout: float | None = None) -> list[dict]:
+    def load(self, timeout: float | None = None, cancelled=None) -> list[dict]:
         pools.occupy(self.slot, self)
         kwargs = self.spec.factory_kwargs
         replies = self.pool.call(PREPARE, {"checkpoint": self.spec.checkpoint, "flags": kwargs["flags"],
-                                           "unet_dtype": self.unet_dtype}, timeout=timeout)
+                                           "unet_dtype": self.unet_dtype}, timeout=timeout, cancelled=cancelled)
         self.unet_dtype, self.manual_cast = agree_dtype([r.payload for r in replies], kwargs["devices"])
         kwargs["unet_dtype"] = self.unet_dtype
         if "float8" in self.unet_dtype and "cpu" in kwargs["devices"]:
             # gloo (CPU ranks) cannot all-gather float8: gather the fp8 weights upcast (exactly) to the compute dtype
             self.spec.param_dtype = GATHER_DTYPES[self.manual_cast]
-        return super().load(timeout)
+        return super().load(timeout, cancelled)
 
 
 def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True,
@@ -248,7 +258,7 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
     label = f"{name} sharded over {len(devices)} ranks ({', '.join(devices)})"
     began = time.perf_counter()
     try:
-        sharded.load()
+        sharded.load(cancelled=mm.processing_interrupted)
         log.info("%s: %s loaded in %.1f s (%s, compute %s)", NODE, label, time.perf_counter() - began,
                  sharded.unet_dtype, sharded.manual_cast or sharded.unet_dtype)
         model_config.set_inference_dtype(getattr(torch, sharded.unet_dtype),
@@ -258,6 +268,8 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
         pools.release(sharded)
         if isinstance(exc, RankFailure):
             raise pools.explain(exc, f"{NODE}: loading {label}") from exc
+        if isinstance(exc, CallCancelled):
+            raise_interrupted(exc, f"{NODE}: loading {label}")
         raise
     return sharded_patcher(base, sharded, devices, label)
 

@@ -101,17 +101,17 @@ class ShardedModule:
     def loaded(self) -> bool:
         return self._generation == self.pool.generation and self.pool.alive
 
-    def load(self, timeout: float | None = None) -> list[dict]:
+    def load(self, timeout: float | None = None, cancelled: Callable[[], bool] | None = None) -> list[dict]:
         """Build, shard and load on every rank; returns each rank's load report.
 
         A load reads 1/N of a checkpoint that can be 30 GB, from a disk that can be slow: it gets at least
-        LOAD_TIMEOUT_S, not the per-step timeout of the pool."""
+        LOAD_TIMEOUT_S, not the per-step timeout of the pool. ``cancelled`` stops it (the ranks are restarted)."""
         require_fsdp_torch()
         timeout = max(self.pool.config.call_timeout_s, LOAD_TIMEOUT_S) if timeout is None else timeout
         payload = {"handle": self.handle, **asdict(self.spec)}
         payload.pop("cached_inputs")
         payload.pop("split_batch")
-        replies = self.pool.call(OPS + "load", payload, timeout=timeout)
+        replies = self.pool.call(OPS + "load", payload, timeout=timeout, cancelled=cancelled)
         self._generation = self.pool.generation
         self._cache.reset()
         self.load_replies = [r.payload for r in replies]
@@ -128,7 +128,7 @@ class ShardedModule:
         A dict argument travels entry by entry (tensors through shared memory), whole, except its ``PerChunk`` entries.
         """
         if not self.loaded:
-            self.load()
+            self.load(cancelled=cancelled)
         batch = next(a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)).shape[0]
         tensors: dict[str, torch.Tensor] = {}
         payload: dict[str, Any] = {"handle": self.handle, "batch": batch, "cache_put": {}, "batched": [],

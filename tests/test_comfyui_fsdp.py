@@ -381,3 +381,24 @@ def test_every_rank_count_the_menu_offers_matches_stock(server: ComfyServer, ran
     lat = latents(server, entry)
     assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
     assert f"{WAN} sharded over {ranks} ranks ({', '.join(['cpu'] * ranks)}) loaded" in server.log()
+
+
+def test_cancel_ends_a_step_a_rank_hangs_in_within_seconds(server: ComfyServer) -> None:
+    """A rank that hangs (here stopped with SIGSTOP, as a stuck GPU would) cannot answer: POST /interrupt still ends
+    the prompt within a few seconds (the pool is torn down, not waited out), and the next prompt runs on new ranks."""
+    prompt_id = server.post_prompt(sharded_prompt(10_000, size=128))
+    server.wait_ws(prompt_id, "progress", timeout=300)
+    ranks = sorted(ranks_of(server), key=rank_number)
+    assert len(ranks) == 2
+    ranks[1].suspend()
+    time.sleep(0.5)   # the step in flight now waits on rank 1
+    t0 = time.monotonic()
+    server.interrupt()
+    entry = server.wait(prompt_id, timeout=60)
+    assert time.monotonic() - t0 < 10, "Cancel waited for the hung rank"
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), 10,
+               "the old ranks to be gone")
+    lat = latents(server, run(server, sharded_prompt(2, size=128, with_stock=True)))
+    assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
+    assert {p.pid for p in ranks_of(server)}.isdisjoint(p.pid for p in ranks)
