@@ -35,7 +35,7 @@ from mgpu.sharded import ModelSpec, ShardedModule
 
 from . import pools
 from . import transformer_options as remote_options
-from .placement import NODE_OF_ROLE, resolve
+from .placement import NODE_OF_ROLE, live_devices, resolve
 from .rank_factory import agree_dtype, detect, numeric_flags
 
 log = logging.getLogger("mgpu")
@@ -65,9 +65,29 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
     log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
     if choice.strategy == "fsdp":
-        return load_fsdp(path, unet_name, pools.fsdp_devices(choice.devices, fsdp_ranks), dtype,
-                         choice.reshard_after_forward, slot)
+        devices = pools.fsdp_devices(choice.devices, fsdp_ranks)
+        reshard = choice.reshard_after_forward
+        if reshard is None:
+            reshard = not keeps_gathered(path, dtype, devices)
+        return load_fsdp(path, unet_name, devices, dtype, reshard, slot)
     return load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's own partial loading
+
+
+def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
+    """No MGPU Plan connected: decide like a plan for the DiT alone on these ranks (its default workload) whether
+    the gathered weights can stay between steps, from the file's header and the devices' free memory now."""
+    from mgpu.estimates import Workload
+    from mgpu.partition import Component, keep_gathered
+    from mgpu.sizing import size_component
+
+    live = {d.id: d for d in live_devices()}
+    try:
+        keep, why = keep_gathered(Component("dit", size_component(path), dtype), [live[d] for d in devices],
+                                  Workload())
+    except (MgpuError, KeyError) as exc:
+        keep, why = False, f"the gathered weights are freed after every step: cannot size the model here ({exc})"
+    log.info("%s: no MGPU Plan: %s", NODE, why)
+    return keep
 
 
 def loader_slot(node_id: str | None, extra_pnginfo: dict | None) -> tuple | None:

@@ -43,7 +43,8 @@ class Choice:
     devices: list[str]
     weight_dtype: str | None
     reason: str
-    reshard_after_forward: bool = True   # fsdp: False keeps the gathered weights between steps (the plan's call)
+    # fsdp: False keeps the gathered weights between steps (the plan's call); None: no plan, the loader decides
+    reshard_after_forward: bool | None = True
 
 
 # --- the machine --------------------------------------------------------------------------------------------------
@@ -165,9 +166,9 @@ def _fsdp(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
     dtype = _recast(placed.weight_dtype) if placed is not None else None
     gpu_ids = [d.id for d in gpus(devices)]
     if gpu_ids:
-        return Choice("fsdp", gpu_ids, dtype, f"fsdp over all {len(gpu_ids)} GPUs: {', '.join(gpu_ids)}")
+        return Choice("fsdp", gpu_ids, dtype, f"fsdp over all {len(gpu_ids)} GPUs: {', '.join(gpu_ids)}", None)
     return Choice("fsdp", [CPU] * CPU_FSDP_RANKS, dtype,
-                  f"no GPU: fsdp over {CPU_FSDP_RANKS} CPU ranks (gloo; correct but slow)")
+                  f"no GPU: fsdp over {CPU_FSDP_RANKS} CPU ranks (gloo; correct but slow)", None)
 
 
 def _auto(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:

@@ -381,6 +381,8 @@ def test_every_rank_count_the_menu_offers_matches_stock(server: ComfyServer, ran
     lat = latents(server, entry)
     assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
     assert f"{WAN} sharded over {ranks} ranks ({', '.join(['cpu'] * ranks)}) loaded" in server.log()
+    # no MGPU Plan connected: the loader decides as a plan would, and a tiny model's gathered weights fit
+    assert "no MGPU Plan: the gathered weights stay between steps" in server.log()
 
 
 def test_cancel_ends_a_step_a_rank_hangs_in_within_seconds(server: ComfyServer) -> None:

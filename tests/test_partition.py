@@ -15,7 +15,7 @@ from mgpu.errors import PlanError
 import math
 
 from mgpu.estimates import Workload, dit_working_bytes, fsdp_buffer_bytes
-from mgpu.partition import PHASES, Component, Plan, Policy, make_plan
+from mgpu.partition import PHASES, Component, Plan, Policy, keep_gathered, make_plan
 from mgpu.sizing import size_component
 
 GiB = 1 << 30
@@ -274,3 +274,19 @@ def test_no_plan_overcommits_a_device(wan14b, sizes, host, width, height, frames
     if dit.strategy == "fsdp":
         assert len(dit.devices) >= 2 and dit.batch_per_rank * len(dit.devices) >= batch * (2 if cfg else 1)
     assert Plan.from_json(p.to_json()) == p
+
+
+def test_fsdp_without_a_plan_keeps_the_gathered_weights_when_they_fit(wan14b):
+    """The loader's decision when no MGPU Plan is connected: the same fit test a plan makes, for the DiT alone on
+    exactly the ranks the user picked; cpu ranks share one host budget."""
+    dit = Component("dit", wan14b["dit"])
+    roomy = [d for d in parse_spec("2x80GiB") if d.kind == "cuda"]
+    keep, why = keep_gathered(dit, roomy, SD_81)
+    assert keep and "stay between steps" in why and "cuda:0 needs" in why
+    tight = [d for d in parse_spec("2x24GiB") if d.kind == "cuda"]
+    keep, why = keep_gathered(dit, tight, SD_81)
+    assert not keep and "cuda:0 needs" in why and "has" in why
+    host = next(d for d in parse_spec("cpu=64GiB") if d.kind == "cpu")
+    assert not keep_gathered(dit, [host, host], SD_81)[0]   # 2 x 28.6 GB + working > 60 GiB of host budget
+    big_host = next(d for d in parse_spec("cpu=256GiB") if d.kind == "cpu")
+    assert keep_gathered(dit, [big_host, big_host], SD_81)[0]
