@@ -1,6 +1,9 @@
 """The example workflows: UI files the frontend loads, their API twins, and a run of each twin on tiny checkpoints.
 
-Unit tier (no ComfyUI): each UI workflow and its API twin describe the same graph (nodes, links, widget values).
+Unit tier (no ComfyUI): each UI workflow and its API twin describe the same graph (nodes, links, widget values);
+every model file a loader names carries download metadata (properties.models: name, folder, the official URL, as
+in ComfyUI's own Wan 2.1 and LTX-Video templates) for ComfyUI's Missing Models warning; each example has a small
+JPEG thumbnail for the template browser. tests/test_web_templates.py shows both in a real browser.
 Live tier (real ComfyUI, CPU): every node type and input is valid against /object_info, and each twin RUNS on
 tiny checkpoints written under the file names the workflow uses. No text encoder can be tiny (ComfyUI always
 builds UMT5-XXL / T5-XXL full size), so for the run the text encoder loader is dropped and each CLIPTextEncode
@@ -11,7 +14,9 @@ the plan's text encoder is "none" and sizes, frames and steps are shrunk. Everyt
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,19 +31,21 @@ from comfy_checkpoints import (
     write_wan21_vae,
 )
 from comfyui_env import ComfyServer, find_comfyui
+from example_files import (
+    EXAMPLES,
+    EXAMPLES_DIR,
+    FILE_FOLDERS,
+    declared_models,
+    file_widgets,
+    load,
+    thumbnail_path,
+    widget_values,
+)
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "example_workflows"
-NAMES = ("wan21_t2v_multi_gpu", "ltxv_t2v_multi_gpu")
+NAMES = tuple(EXAMPLES)
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
-# Combo inputs that name model files: the examples name the real files, which this test server lacks.
-FILE_INPUTS = {"dit", "text_encoder", "vae", "unet_name", "clip_name", "clip_name2", "vae_name"}
-
-
-def load(name: str) -> tuple[dict, dict]:
-    ui = json.loads((EXAMPLES / f"{name}.json").read_text())
-    api = json.loads((EXAMPLES / "api" / f"{name}.api.json").read_text())
-    return ui, api
 
 
 def by_id(ui: dict) -> dict[str, dict]:
@@ -82,12 +89,8 @@ def test_ui_widget_values_match_the_api_twin(name):
     for node_id, n in by_id(ui).items():
         if n["type"] in FRONTEND_ONLY:
             continue
-        widget_inputs = [i["name"] for i in n.get("inputs", []) if "widget" in i]
-        values = list(n.get("widgets_values", []))
-        if "seed" in widget_inputs:  # the frontend stores control_after_generate right after the seed
-            values.pop(widget_inputs.index("seed") + 1)
-        assert dict(zip(widget_inputs, values)) == {k: v for k, v in api[node_id]["inputs"].items()
-                                                    if not isinstance(v, list)}, n["type"]
+        assert widget_values(n) == {k: v for k, v in api[node_id]["inputs"].items()
+                                    if not isinstance(v, list)}, n["type"]
 
 
 def test_the_wan_example_is_the_multi_gpu_text_to_video():
@@ -99,6 +102,81 @@ def test_the_wan_example_is_the_multi_gpu_text_to_video():
     plan_id = next(i for i, n in api.items() if n["class_type"] == "MgpuPlan")
     loaders = [n for n in api.values() if n["class_type"].startswith("MgpuLoad")]
     assert all(n["inputs"]["plan"] == [plan_id, 0] and n["inputs"]["device"] == "auto" for n in loaders)
+
+
+# --- unit tier: what ComfyUI's template browser and Missing Models warning read ----------------------------------
+
+# Official sources only: Comfy-Org's repackaged files where one exists; ComfyUI's own LTX-Video template takes the
+# LTX checkpoint from Lightricks and T5-XXL from comfyanonymous (ComfyUI's author): Comfy-Org repacks neither.
+OFFICIAL_ORGS = {"Comfy-Org", "comfyanonymous", "Lightricks"}
+HF_FILE_URL = re.compile(r"https://huggingface\.co/(?P<org>[^/]+)/[^/]+/resolve/main/(?:[^?]+/)?(?P<file>[^/?]+)"
+                         r"(?:\?download=true)?")
+# The ComfyUI template each example follows (package comfyui-workflow-templates): its file URLs are the reference.
+COMFYUI_TEMPLATES = {"wan21_t2v_multi_gpu": "text_to_video_wan", "ltxv_t2v_multi_gpu": "ltxv_text_to_video"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_model_file_has_download_metadata_on_its_node(name):
+    """The frontend lists a node's properties.models entries whose name is one of its widget values (like stock
+    loaders in ComfyUI's templates): every file a loader names needs one, in the folder that input lists."""
+    ui, _ = load(name)
+    for n in ui["nodes"]:
+        files, models = file_widgets(n), n.get("properties", {}).get("models", [])
+        expected = sorted((v, FILE_FOLDERS[k]) for k, v in files.items())
+        assert sorted((m["name"], m["directory"]) for m in models) == expected, (n["type"], models)
+        for m in models:
+            url = HF_FILE_URL.fullmatch(m["url"])
+            assert url and url["file"] == m["name"], (n["type"], m)
+            assert url["org"] in OFFICIAL_ORGS, (n["type"], m)
+    urls = {}
+    for m in declared_models(ui):  # one file, one URL, whichever node names it
+        assert urls.setdefault(m["name"], m["url"]) == m["url"], m
+
+
+def test_the_wan_files_are_comfy_orgs_repack():
+    ui, _ = load("wan21_t2v_multi_gpu")
+    repack = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
+    named = {v for n in ui["nodes"] for v in file_widgets(n).values()}
+    assert {m["name"] for m in declared_models(ui)} == named
+    for m in declared_models(ui):
+        assert m["url"] == f"{repack}/{m['directory']}/{m['name']}?download=true", m
+
+
+def _comfyui_template(name: str) -> dict:
+    spec = importlib.util.find_spec("comfyui_workflow_templates")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("ComfyUI's workflow templates are not installed (pip install -r ComfyUI/requirements.txt)")
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    found = sorted(site.glob(f"comfyui_workflow_templates*/templates/{name}.json"))
+    assert found, f"no template {name}.json in the installed comfyui-workflow-templates packages under {site}"
+    return json.loads(found[0].read_text())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_urls_are_those_of_comfyuis_own_template(name):
+    """A file ComfyUI's matching template names has its exact URL and folder; any other file lies beside one."""
+    ui, _ = load(name)
+    theirs = {m["name"]: m for m in declared_models(_comfyui_template(COMFYUI_TEMPLATES[name]))}
+    folders = {m["url"].split("?")[0].rsplit("/", 1)[0] for m in theirs.values()}
+    shared = 0
+    for m in declared_models(ui):
+        if m["name"] in theirs:
+            assert (m["url"], m["directory"]) == (theirs[m["name"]]["url"], theirs[m["name"]]["directory"]), m
+            shared += 1
+        else:
+            assert m["url"].split("?")[0].rsplit("/", 1)[0] in folders, (m, sorted(folders))
+    assert shared, f"{name} shares no file with ComfyUI's {COMFYUI_TEMPLATES[name]} template"
+
+
+def test_the_template_browser_lists_exactly_the_examples_with_their_thumbnails():
+    """ComfyUI lists every example_workflows/*.json (its stem is the card's title) and shows <stem>.jpg on it."""
+    assert {p.stem for p in EXAMPLES_DIR.glob("*.json")} == set(EXAMPLES.values())
+    assert {p.stem for p in EXAMPLES_DIR.iterdir() if p.is_file() and p.suffix != ".json"} == set(EXAMPLES.values())
+    for name in NAMES:
+        path = thumbnail_path(name)
+        with Image.open(path) as img:
+            assert img.format == "JPEG" and img.width >= 256 and img.height >= 128, (path.name, img.size)
+        assert path.stat().st_size <= 48 * 1024, f"{path.name}: keep thumbnails small"
 
 
 # --- live tier ----------------------------------------------------------------------------------------------------
@@ -127,7 +205,7 @@ def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfySer
                 assert info[src]["output"][value[1]] == typ, (kind, key, src)
             elif typ == "COMBO" or isinstance(typ, list):
                 options = opts.get("options", typ if isinstance(typ, list) else [])
-                if key in FILE_INPUTS:
+                if key in FILE_FOLDERS:  # the examples name the real files, which this server lacks
                     assert value == "none" or value.endswith(".safetensors"), (kind, key, value)
                 else:
                     assert value in options, (kind, key, value)

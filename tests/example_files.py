@@ -1,0 +1,61 @@
+"""The example workflows the pack ships, and the model files they name: shared by the tests that read them.
+
+ComfyUI's template browser lists every example_workflows/*.json of a pack under its file name, which is also the
+title on the card and the tab name once opened (no title field exists for custom-node templates in frontends 1.27
+to 1.49), so the UI files carry readable names. Their API twins keep short ids, handy on a command line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "example_workflows"
+# API twin id -> UI workflow file stem (the template title)
+EXAMPLES = {
+    "wan21_t2v_multi_gpu": "Wan 2.1 text-to-video 14B (multi-GPU)",
+    "ltxv_t2v_multi_gpu": "LTX-Video 13B text-to-video (multi-GPU)",
+}
+# Combo inputs of the loaders that name model files, and the ComfyUI model folder each lists.
+FILE_FOLDERS = {
+    "dit": "diffusion_models", "unet_name": "diffusion_models",
+    "text_encoder": "text_encoders", "clip_name": "text_encoders", "clip_name2": "text_encoders",
+    "vae": "vae", "vae_name": "vae",
+}
+NONE = "none"
+
+
+def ui_path(example: str) -> Path:
+    return EXAMPLES_DIR / f"{EXAMPLES[example]}.json"
+
+
+def thumbnail_path(example: str) -> Path:
+    """Where the template browser looks for the card's picture: <stem>.jpg beside the workflow (jpg only)."""
+    return EXAMPLES_DIR / f"{EXAMPLES[example]}.jpg"
+
+
+def load(example: str) -> tuple[dict, dict]:
+    """(UI workflow, API twin) of an example, by its id."""
+    ui = json.loads(ui_path(example).read_text())
+    api = json.loads((EXAMPLES_DIR / "api" / f"{example}.api.json").read_text())
+    return ui, api
+
+
+def widget_values(node: dict) -> dict[str, Any]:
+    """A UI node's widget values by input name (the frontend stores control_after_generate right after a seed)."""
+    names = [i["name"] for i in node.get("inputs", []) if "widget" in i]
+    values = list(node.get("widgets_values") or [])
+    if "seed" in names:
+        values.pop(names.index("seed") + 1)
+    return dict(zip(names, values))
+
+
+def file_widgets(node: dict) -> dict[str, str]:
+    """The model files a UI node names, by input (inputs set to "none" name no file)."""
+    return {k: v for k, v in widget_values(node).items() if k in FILE_FOLDERS and v != NONE}
+
+
+def declared_models(ui: dict) -> list[dict[str, str]]:
+    """Every properties.models entry of a UI workflow's nodes, in node order."""
+    return [m for n in ui["nodes"] for m in n.get("properties", {}).get("models", [])]
