@@ -210,15 +210,3 @@ def resolve(choice: str, role: str, plan=None, devices: list[Device] | None = No
         _check_exists(role, [choice], devices, choices, "")
         return Choice("single", [choice], None, f"{choice}, as chosen")
     raise MgpuError(f"{node}: {choice!r} is not a device choice; pick one of {', '.join(choices)}")
-
-
-def check(choice: str | None, role: str, devices: list[Device] | None = None) -> bool | str:
-    """For a node's ``validate_inputs``: True, or the message. Only the choice itself is checked here; what
-    "auto" follows, and a choice coming through a link (None here), are known once the node runs."""
-    if choice == AUTO or choice is None:
-        return True
-    try:
-        resolve(choice, role, None, devices)
-    except MgpuError as exc:
-        return str(exc)
-    return True

@@ -13,6 +13,12 @@ _DEVICE_TIP = ("auto: where the connected MGPU Plan puts it, else the GPU with m
                "The web page labels each device with its free memory.")
 
 
+# Files and devices are checked when a loader runs, not when the prompt is queued: a queue-time failure only outlines
+# the node while ComfyUI still runs the valid output nodes (MGPU Plan is one) and reports the prompt a success. At run
+# time the error names the node, the file or device and the choices, and the prompt fails, as for the DiT loader.
+# (A ``validate_inputs`` that names an input also turns off ComfyUI's own "Value not in list" check of it.)
+
+
 def _device_input() -> io.Combo.Input:
     return io.Combo.Input("device", options=placement.device_choices(include_fsdp=False), default=placement.AUTO,
                           tooltip=_DEVICE_TIP)
@@ -41,9 +47,9 @@ class MgpuLoadTextEncoder(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, device: str) -> bool | str:
-        """Our message (which devices exist here) instead of ComfyUI's "Value not in list"."""
-        return placement.check(device, "text_encoder")
+    def validate_inputs(cls, clip_name: str, clip_name2: str, device: str) -> bool:
+        """Checked when the node runs (see above)."""
+        return True
 
     @classmethod
     def execute(cls, clip_name: str, type: str, device: str, clip_name2: str = NONE, plan=None) -> io.NodeOutput:
@@ -68,8 +74,9 @@ class MgpuLoadVAE(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, device: str) -> bool | str:
-        return placement.check(device, "vae")
+    def validate_inputs(cls, vae_name: str, device: str) -> bool:
+        """Checked when the node runs (see above)."""
+        return True
 
     @classmethod
     def execute(cls, vae_name: str, device: str, plan=None) -> io.NodeOutput:

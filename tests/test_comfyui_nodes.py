@@ -177,12 +177,23 @@ def test_vae_auto_refuses_a_plan_made_for_other_devices(server: ComfyServer):
     assert "this machine has cpu host RAM" in msg and msg.endswith("pick one of auto, cpu")
 
 
-def test_unknown_device_is_refused_when_queued_with_the_choices(server: ComfyServer):
-    with pytest.raises(PromptRejected) as info:
-        server.post_prompt(vae_decode_prompt("cuda:7"))
-    (error,) = info.value.body["node_errors"]["2"]["errors"]
-    assert "MGPU Load VAE: device cuda:7 does not exist; this machine has cpu" in error["details"]
-    assert error["details"].endswith("pick one of auto, cpu")
+def test_a_bad_device_fails_the_prompt_even_beside_an_mgpu_plan(server: ComfyServer):
+    """MGPU Plan is an output node: a loader refused at queue time would only be outlined while ComfyUI ran the
+    plan alone and called the prompt a success. The loader fails when it runs, naming the device and the choices."""
+    entry = run(server, vae_decode_prompt("cuda:7", plan_node(devices="auto")))
+    err = error_of(entry)
+    assert err["node_type"] == "MgpuLoadVAE"
+    msg = err["exception_message"].rstrip()
+    assert msg.startswith("MGPU Load VAE: device cuda:7 does not exist; this machine has cpu")
+    assert msg.endswith("pick one of auto, cpu")
+
+
+def test_a_file_that_is_not_there_fails_the_prompt_naming_it(server: ComfyServer):
+    prompt = vae_decode_prompt("cpu", plan_node(devices="auto"))
+    prompt["2"]["inputs"]["vae_name"] = "never_there.safetensors"
+    err = error_of(run(server, prompt))
+    assert err["node_type"] == "MgpuLoadVAE"
+    assert err["exception_message"].startswith("MGPU Load VAE: 'never_there.safetensors' is not in ComfyUI's vae folder")
 
 
 def test_a_listed_file_that_is_gone_names_the_file(server: ComfyServer):
@@ -218,11 +229,8 @@ def test_text_encoder_type_and_device_errors(server: ComfyServer):
     prompt = {"1": {"class_type": "MgpuLoadTextEncoder", "inputs": {"clip_name": CLIP_L, "type": "wan",
                                                                     "device": "cuda:1", "clip_name2": "none"}},
               "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
-    with pytest.raises(PromptRejected) as info:
-        server.post_prompt(prompt)
-    details = json.dumps(info.value.body)
-    assert "MGPU Load Text Encoder: device cuda:1 does not exist" in details
+    err = error_of(run(server, prompt))
+    assert err["node_type"] == "MgpuLoadTextEncoder"
+    assert "MGPU Load Text Encoder: device cuda:1 does not exist" in err["exception_message"]
     prompt["1"]["inputs"]["device"] = "fsdp"
-    with pytest.raises(PromptRejected) as info:
-        server.post_prompt(prompt)
-    assert "fsdp shards only the diffusion model" in json.dumps(info.value.body)
+    assert "fsdp shards only the diffusion model" in error_of(run(server, prompt))["exception_message"]

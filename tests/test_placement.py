@@ -12,7 +12,7 @@ import torch
 
 import ckpt_layouts as L
 from loaders import placement
-from loaders.placement import Choice, check, choice_labels, device_choices, resolve
+from loaders.placement import Choice, choice_labels, device_choices, resolve
 from mgpu.devices import parse_spec
 from mgpu.errors import MgpuError
 from mgpu.estimates import Workload
@@ -148,13 +148,6 @@ def test_a_plan_for_other_devices_is_refused_with_the_way_out(wan14b):
     # the same plan read back from the JSON the Plan node sends resolves the same way
     assert resolve("auto", "vae", Plan.from_json(plan.to_json()), parse_spec("4x24GiB")) == \
         resolve("auto", "vae", plan, parse_spec("4x24GiB"))
-
-
-def test_check_is_for_validate_inputs():
-    assert check("auto", "vae", TWO) is True and check("cuda:1", "vae", TWO) is True
-    assert check("cuda:7", "vae", TWO).startswith("MGPU Load VAE: device cuda:7 does not exist")
-    assert "fsdp shards only" in check("fsdp", "vae", TWO)
-    assert check(None, "vae", TWO) is True  # a linked value: checked when the node runs
 
 
 # --- the live machine ---------------------------------------------------------------------------------------------
