@@ -32,9 +32,11 @@ import torch
 
 from mgpu.errors import CallCancelled, MgpuError, RankFailure
 from mgpu.sharded import ModelSpec, ShardedModule
+from mgpu.sizing import size_component
 
 from . import pools
 from . import transformer_options as remote_options
+from .plan_check import add_plan_check
 from .placement import NODE_OF_ROLE, live_devices, resolve
 from .rank_factory import agree_dtype, detect, numeric_flags
 
@@ -69,8 +71,12 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
         reshard = choice.reshard_after_forward
         if reshard is None:
             reshard = not keeps_gathered(path, dtype, devices)
-        return load_fsdp(path, unet_name, devices, dtype, reshard, slot)
-    return load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's own partial loading
+        patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot)
+    else:
+        patcher = load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's partial loading
+    if plan is not None and plan.placement("dit") is not None:
+        add_plan_check(patcher, size_component(path), plan, f"{NODE} ({unet_name})")
+    return patcher
 
 
 def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
@@ -78,7 +84,6 @@ def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
     the gathered weights can stay between steps, from the file's header and the devices' free memory now."""
     from mgpu.estimates import Workload
     from mgpu.partition import Component, keep_gathered
-    from mgpu.sizing import size_component
 
     live = {d.id: d for d in live_devices()}
     try:

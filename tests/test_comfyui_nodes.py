@@ -234,3 +234,30 @@ def test_text_encoder_type_and_device_errors(server: ComfyServer):
     assert "MGPU Load Text Encoder: device cuda:1 does not exist" in err["exception_message"]
     prompt["1"]["inputs"]["device"] = "fsdp"
     assert "fsdp shards only the diffusion model" in error_of(run(server, prompt))["exception_message"]
+
+
+def test_a_latent_larger_than_the_plan_warns_with_the_numbers(server: ComfyServer):
+    """The plan sized memory for 64x64x5; sampling 128x128 says so at the first step (4x the tokens), and a latent
+    of the planned size says nothing."""
+    def prompt(size: int) -> dict[str, Any]:
+        return {
+            "1": plan_node(devices="auto", vae="none"),
+            "2": {"class_type": "MgpuLoadDiffusionModel", "inputs": {
+                "unet_name": WAN, "weight_dtype": "default", "device": "auto", "fsdp_ranks": 0, "plan": ["1", 0]}},
+            "3": {"class_type": "MgpuTestConditioning", "inputs": {"width": 4096, "tokens": 8, "seed": 1, "scale": 1.0}},
+            "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": size, "height": size, "length": 5,
+                                                                       "batch_size": 1}},
+            "5": {"class_type": "KSampler", "inputs": {
+                "model": ["2", 0], "positive": ["3", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": size,
+                "steps": 1, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+            "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"mgpu_plan_{size}"}},
+        }
+
+    before = len(server.log())
+    assert run(server, prompt(64))["status"]["status_str"] == "success"
+    assert "but the MGPU Plan was made for" not in server.log()[before:]
+    before = len(server.log())
+    assert run(server, prompt(128))["status"]["status_str"] == "success"
+    log = server.log()[before:]
+    assert "latent 2x16x2x16x16 is 128 tokens x batch 2 = 256, but the MGPU Plan was made for 64x64x5, batch 1 " \
+           "with CFG = 32 tokens x batch 2 = 64 (this is 4.0x that)" in log, log[-3000:]
