@@ -29,6 +29,7 @@ _models: dict[tuple[str, ...], set[str]] = {}   # handles of the models loaded (
 _collected: deque = deque()                       # ShardedModules whose MODEL is gone, not yet released
 _slots: dict[tuple, object] = {}                  # loader slot -> the ShardedModule it has (or last had) loaded
 _drain_lock = threading.Lock()                    # one drain at a time: a load waits for a release in progress
+_live: weakref.WeakSet = weakref.WeakSet()        # every ShardedModule a MODEL was made of, while it exists
 
 
 def fsdp_devices(devices: list[str], ranks: int) -> list[str]:
@@ -52,10 +53,7 @@ def acquire(devices: list[str], handle: str, extra_sys_path: list[str]) -> RankP
     with _lock:
         pool = _pools.get(key)
         if pool is None:
-            for idle in [k for k, handles in _models.items() if not handles]:
-                _pools.pop(idle).close()
-                del _models[idle]
-                log.info("MGPU: stopped the idle FSDP ranks on %s", ", ".join(idle))
+            _stop_idle_locked()
             pool = _pools[key] = RankPool(PoolConfig(devices=list(devices), extra_sys_path=list(extra_sys_path)))
         _models.setdefault(key, set()).add(handle)
         return pool
@@ -99,7 +97,35 @@ def release_with(model: object, sharded) -> None:
     """Free ``sharded``'s shards once ``model`` (the host's BaseModel, which every clone of the MODEL shares) is
     garbage: ownership follows the loaded model, not the node that loaded it, so a model any workflow, browser
     tab or cache entry still holds is never freed, whatever node ids collide."""
+    _live.add(sharded)
     weakref.finalize(model, _on_collected, sharded).atexit = False   # at exit mgpu.pool closes every pool
+
+
+def _stop_idle_locked() -> None:
+    for idle in [k for k, handles in _models.items() if not handles]:
+        _pools.pop(idle).close()
+        del _models[idle]
+        log.info("MGPU: stopped the idle FSDP ranks on %s", ", ".join(idle))
+
+
+def unload_all(stop_idle_after_s: float = 5.0) -> None:
+    """ComfyUI's "Unload models" (``POST /free``): free every sharded model's shards now (each MODEL stays usable
+    and loads again when sampled), then, once ComfyUI has dropped what it drops (``free_memory`` empties its
+    caches, which makes those MODELs garbage), stop the pools left without any model, so no idle rank keeps its
+    CUDA context and imports."""
+    for sharded in list(_live):
+        if sharded.loaded:
+            with _lock:
+                _free(sharded, "was unloaded (ComfyUI's Unload models / POST /free)")
+
+    def stop_idle() -> None:
+        release_garbage()
+        with _lock:
+            _stop_idle_locked()
+
+    timer = threading.Timer(stop_idle_after_s, stop_idle)
+    timer.daemon = True
+    timer.start()
 
 
 def _on_collected(sharded) -> None:

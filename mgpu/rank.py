@@ -139,7 +139,18 @@ def _free(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     gc.collect()
     if ctx.torch_device.type == "cuda":
         torch.cuda.empty_cache()
+    _trim_heap()
     return {"freed": freed}
+
+
+def _trim_heap() -> None:
+    """Give freed host memory back to the system: glibc keeps it in its arenas otherwise, and an idle rank that
+    held a model's CPU shards would look as big as when it held them."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):   # not glibc (musl): nothing to trim
+            pass
 
 
 class _NoTensorPickler(pickle.Pickler):

@@ -4,6 +4,8 @@ from comfy_api.latest import ComfyExtension, io
 
 from mgpu.pool import clean_up_on_sigterm, sweep_stale_dirs
 
+from ..loaders import pools
+
 from .components import MgpuLoadTextEncoder, MgpuLoadVAE
 from .diffusion import MgpuLoadDiffusionModel
 from .plan import MgpuPlan
@@ -16,6 +18,28 @@ class MgpuExtension(ComfyExtension):
         return [MgpuPlan, MgpuLoadDiffusionModel, MgpuLoadTextEncoder, MgpuLoadVAE, MgpuFSDPSampler]
 
 
+
+
+def _follow_unload_all_models() -> None:
+    """ComfyUI's "Unload models" and ``POST /free`` call ``comfy.model_management.unload_all_models``, which only
+    unloads what ComfyUI placed on its own devices: the shards on the ranks are invisible to it. Run it, then free
+    them too (``pools.unload_all``)."""
+    import comfy.model_management as mm
+
+    original = mm.unload_all_models
+    if getattr(original, "mgpu_follows", False):
+        return
+
+    def unload_all_models(*args, **kwargs):
+        result = original(*args, **kwargs)
+        pools.unload_all()
+        return result
+
+    unload_all_models.mgpu_follows = True
+    mm.unload_all_models = unload_all_models
+
+
 register_routes()
+_follow_unload_all_models()
 sweep_stale_dirs()       # shared memory and logs of a ComfyUI that was killed (SIGKILL) while ranks ran
 clean_up_on_sigterm()    # and none left behind when this one is stopped with SIGTERM

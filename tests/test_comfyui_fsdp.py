@@ -404,3 +404,48 @@ def test_cancel_ends_a_step_a_rank_hangs_in_within_seconds(server: ComfyServer) 
     lat = latents(server, run(server, sharded_prompt(2, size=128, with_stock=True)))
     assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
     assert {p.pid for p in ranks_of(server)}.isdisjoint(p.pid for p in ranks)
+
+
+def post_free_until(server: ComfyServer, body: dict, done, timeout: float, what: str) -> None:
+    """POST /free, again every few seconds until ``done()``: ComfyUI's queue wakes its worker for the flags with a
+    notify that is lost if the worker is busy just then (finishing the last prompt), until its next prompt."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, _ = server._request("POST", "/free", body)
+        assert status == 200
+        try:
+            wait_until(done, 5, what)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def test_unload_models_frees_the_shards_and_free_memory_stops_the_ranks(server: ComfyServer) -> None:
+    """ComfyUI's "Unload models" (POST /free unload_models) cannot see the ranks' memory: the pack frees the shards
+    there too (the ranks shrink by at least their share of the model; the next prompt loads it again), and
+    free_memory, which also drops ComfyUI's caches, stops the ranks left without a model."""
+    big = "mgpu_fsdp_wan_unload.safetensors"
+    write_tiny_wan21_t2v(server.diffusion_models / big, WanDiTConfig(dim=1024, ffn_dim=4096, num_layers=2))
+    fp32_bytes = 2 * (server.diffusion_models / big).stat().st_size    # bf16 file, fp32 on cpu ranks
+
+    def prompt(seed: int) -> dict:
+        p = sharded_prompt(1, seed=seed)
+        p["fsdp_unet"]["inputs"]["unet_name"] = big
+        return p
+
+    run(server, prompt(31))
+    ranks = sorted(ranks_of(server), key=rank_number)
+    assert len(ranks) == 2
+    before = [p.memory_info().rss for p in ranks]
+    post_free_until(server, {"unload_models": True},
+                    lambda: all(b - p.memory_info().rss >= 0.4 * fp32_bytes for p, b in zip(ranks, before)), 40,
+                    f"each rank to give back its share of {fp32_bytes:,} bytes (RSS was {before})")
+    assert sorted(p.pid for p in ranks_of(server)) == sorted(p.pid for p in ranks)   # ranks kept, small
+    start = len(server.log())
+    assert torch.isfinite(latents(server, run(server, prompt(32)))["fsdp"]).all()
+    assert f"{big} sharded over 2 ranks" not in server.log()[start:]   # the same MODEL: its shards reload ...
+    assert sum(p.memory_info().rss for p in ranks) - sum(before) > -0.4 * fp32_bytes   # ... on the same ranks
+
+    post_free_until(server, {"unload_models": True, "free_memory": True}, lambda: not ranks_of(server), 40,
+                    "the idle ranks to stop")
