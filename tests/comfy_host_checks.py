@@ -211,10 +211,10 @@ def check_model_lifetimes(folder: str) -> dict:
     at_load_start: list[list[str]] = []
     real_load = mgpu.sharded.ShardedModule.load
 
-    def load(self, timeout=None):
+    def load(self, *args, **kwargs):
         if self.pool.alive:
             at_load_start.append(_rank_handles(self))
-        return real_load(self, timeout)
+        return real_load(self, *args, **kwargs)
 
     mgpu.sharded.ShardedModule.load = load
 

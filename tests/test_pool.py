@@ -605,7 +605,7 @@ def test_a_stopped_rank_is_named_as_stopped(pool):
 
 # ------------------------------------------------------------------------------------- what a stopped host leaves
 
-HOST_SCRIPT = """
+SIGTERM_HOST_SCRIPT = """
 import os, sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
 from mgpu.pool import PoolConfig, RankPool, clean_up_on_sigterm
@@ -618,7 +618,7 @@ time.sleep(120)
 
 
 def test_a_host_stopped_with_sigterm_leaves_no_rank_and_no_shared_memory():
-    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
+    host = subprocess.Popen([sys.executable, "-c", SIGTERM_HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
                             stdout=subprocess.PIPE, text=True)
     try:
         rank_pids = [int(p) for p in host.stdout.readline().split()]
@@ -632,7 +632,7 @@ def test_a_host_stopped_with_sigterm_leaves_no_rank_and_no_shared_memory():
 
 
 def test_stale_directories_of_a_killed_host_are_swept():
-    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
+    host = subprocess.Popen([sys.executable, "-c", SIGTERM_HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
                             stdout=subprocess.PIPE, text=True)
     try:
         rank_pids = [int(p) for p in host.stdout.readline().split()]
