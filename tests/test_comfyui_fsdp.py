@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -353,23 +355,41 @@ def test_killed_rank_is_a_node_error_and_the_next_prompt_rebuilds(server: ComfyS
     assert not {p.pid for p in ranks_of(server)} & {p.pid for p in ranks}
 
 
-def test_ranks_exit_with_comfyui(tmp_path: Path) -> None:
-    """(f) ComfyUI killed on its own (SIGTERM to the main process only, no atexit): its ranks go with it."""
+def pool_dirs(owner: int) -> list[str]:
+    """The private directories (shared-memory segments, logs) of pools run by process ``owner``."""
+    from mgpu import shm
+
+    return [os.path.join(parent, n) for parent in {shm.shm_parent(), tempfile.gettempdir()}
+            for n in os.listdir(parent) if n.startswith(f"mgpu-{owner}-")]
+
+
+def test_ranks_and_shared_memory_go_with_comfyui(tmp_path: Path) -> None:
+    """(f) ComfyUI stopped on its own (SIGTERM to the main process only): its ranks go with it and so do their shared
+    memory and directories; what a killed ComfyUI left (a directory whose owner is gone) is swept when the pack loads."""
+    from mgpu import shm
+
     comfyui = find_comfyui()
     if comfyui is None:
         pytest.skip(SKIP_REASON)
+    dead = 2**22 + 12345   # above pid_max by default: no live process owns it
+    stale = Path(shm.shm_parent()) / f"mgpu-{dead}-stale"
+    stale.mkdir(exist_ok=True)
+    (stale / shm.LOCK_NAME).touch()   # a lock file nobody holds: its owner died
     own = start_server(comfyui, tmp_path)
     try:
+        assert not stale.exists(), "the pack did not sweep a dead ComfyUI's directory when it loaded"
         write_tiny_wan21_t2v(own.diffusion_models / WAN, WanDiTConfig(dim=256, ffn_dim=512, num_layers=3))
         run(own, sharded_prompt(2))
         ranks = ranks_of(own)
-        assert len(ranks) == 2
+        assert len(ranks) == 2 and pool_dirs(own.process.pid)
         os.kill(own.process.pid, signal.SIGTERM)
         own.process.wait(timeout=60)
         _, alive = psutil.wait_procs(ranks, timeout=15)
         assert not alive, [p.pid for p in alive]
+        assert pool_dirs(own.process.pid) == []
     finally:
         leftovers = own.stop()
+        shutil.rmtree(stale, ignore_errors=True)
     assert not leftovers, leftovers
 
 
