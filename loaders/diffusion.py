@@ -51,7 +51,6 @@ OPTIONS_KEY = "mgpu_fsdp"   # transformer_options[OPTIONS_KEY]: per-sampler sett
 WEIGHT_DTYPES = {"default": None, "fp8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16",
                  "fp16": "float16", "fp32": "float32"}
 CACHED_INPUTS = ("context", "clip_fea")   # the same every step: sent to the ranks once
-GATHER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}   # ModelSpec.param_dtype names
 _handles = itertools.count()
 
 
@@ -261,9 +260,6 @@ class _ComfyShardedModule(ShardedModule):
                                            "unet_dtype": self.unet_dtype}, timeout=timeout, cancelled=cancelled)
         self.unet_dtype, self.manual_cast = agree_dtype([r.payload for r in replies], kwargs["devices"])
         kwargs["unet_dtype"] = self.unet_dtype
-        if "float8" in self.unet_dtype and "cpu" in kwargs["devices"]:
-            # gloo (CPU ranks) cannot all-gather float8: gather the fp8 weights upcast (exactly) to the compute dtype
-            self.spec.param_dtype = GATHER_DTYPES[self.manual_cast]
         return super().load(timeout, cancelled)
 
 

@@ -104,14 +104,15 @@ def detect(path: str):
         sd = stripped
     else:
         prefix = ""
+    if "scaled_fp8" in sd:   # 0.3.64 pops it into model_config.scaled_fp8; 0.33.0 leaves it for convert_old_quants
+        raise ShardingError(f"{path} is a scaled-fp8 checkpoint (a scaled_fp8 marker and per-layer scale_weight), "
+                            "which MGPU Load Diffusion Model cannot shard yet: load it on one device (device "
+                            "cuda:N or cpu), or shard the bf16/fp16 file with weight_dtype fp8_e4m3fn")
     model_config = comfy.model_detection.model_config_from_unet(sd, "")
     if model_config is None:
         raise ShardingError(f"{path}: ComfyUI does not recognise this diffusion model from its keys, so it cannot be "
                             "sharded (diffusers-format files are converted only by ComfyUI's single-device loader); "
                             "load it on one device, or use a ComfyUI-format file")
-    if model_config.scaled_fp8 is not None:
-        raise ShardingError(f"{path} is a scaled-fp8 checkpoint, which FSDP does not load yet: use the bf16/fp16 file "
-                            "with weight_dtype fp8_e4m3fn, or load this one on one device")
     return model_config, sd, prefix
 
 

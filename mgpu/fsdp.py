@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mgpu.errors import ShardingError
+from mgpu.quant import FP8_DTYPES, wrap_fp8_parameters
 
 # A block list must hold at least this share of the model's parameters to be sharded automatically: small
 # ModuleLists (norms, per-block projections) are not worth an FSDP unit of their own.
 _MIN_BLOCK_SHARE = 0.10
-_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
 
 def _numel(module: nn.Module) -> int:
@@ -108,7 +108,7 @@ def compute_dtype_for(device: torch.device | str, requested: torch.dtype | None,
 
     bf16 needs compute capability 8.0 (Ampere) on CUDA, older GPUs get fp16. ``None`` keeps the stored dtype.
     """
-    if requested in _FP8:
+    if requested in FP8_DTYPES:
         raise ShardingError(f"{requested} is a storage dtype, not a compute dtype: ask for torch.bfloat16 or "
                             f"torch.float16 compute on {device}.")
     device = torch.device(device)
@@ -131,9 +131,11 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = 
     compute dtype (see ``compute_dtype_for``). Forward inputs are not cast: the sharded model computes exactly like
     the single-device model with its weights in ``param_dtype`` (casting would round e.g. timesteps to bf16).
     The parameters are frozen: this is inference, and FSDP lets a unit of frozen parameters mix dtypes (ComfyUI
-    keeps Wan's patch embedding in fp32 beside bf16 weights).
+    keeps Wan's patch embedding in fp32 beside bf16 weights). fp8 parameters travel as their fp8 bytes whatever
+    ``param_dtype`` (``mgpu.quant.Fp8Weight``): they reach the block upcast to ``param_dtype``, or as fp8 without one.
     """
     model.requires_grad_(False)
+    wrap_fp8_parameters(model)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, cast_forward_inputs=False)
     units: list[FSDPModule] = []
     for name in find_block_lists(model, blocks):

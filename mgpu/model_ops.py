@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from mgpu.fsdp import build_meta, compute_dtype_for, materialize, shard
+from mgpu.quant import FP8_DTYPES
 from mgpu.rank import RankContext, Tensors, import_path
 from mgpu.slice_load import load_sharded
 
@@ -43,13 +44,14 @@ def _local_bytes(model: nn.Module) -> int:
 
 
 def _gathered_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> int:
-    """Bytes one forward all-gathers in total (every sharded parameter once, in the compute dtype).
+    """Bytes one forward all-gathers in total (every sharded parameter once, in the compute dtype; fp8 as stored).
 
     Analytic: FSDP2 gathers each unit's padded flat parameters once per forward when it reshards after forward.
     """
     total = 0
     for p in model.parameters():
-        itemsize = torch.empty((), dtype=param_dtype or p.dtype).element_size()
+        gathered = p.dtype if p.dtype in FP8_DTYPES else param_dtype or p.dtype   # mgpu.quant.Fp8Weight
+        itemsize = torch.empty((), dtype=gathered).element_size()
         total += p.numel() * itemsize
     return total
 
