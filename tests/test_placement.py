@@ -41,7 +41,10 @@ def make(sizes, spec: str, dit_dtype: str | None = None, **policy) -> Plan:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache():
+def _fresh_cache(monkeypatch):
+    """Each test sees the machine it sets up: no cached GPU list, and no real ComfyUI's device list (a ComfyUI test
+    tier in the same process may have imported comfy.model_management; tests that want one install a fake)."""
+    monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
     placement._live_gpu_ids.cache_clear()
     yield
     placement._live_gpu_ids.cache_clear()
