@@ -117,7 +117,7 @@ class FakePool:
         self.closed = True
 
 
-@dataclass
+@dataclass(eq=False)   # identity, as a ShardedModule has: pools keep them in weak sets
 class FakeSharded:
     pool: FakePool
     handle: str
