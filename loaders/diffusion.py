@@ -9,8 +9,9 @@ ranks build the same network with ComfyUI's own detection (``loaders.rank_factor
 only their slices of the checkpoint.
 
 ``transformer_options`` travel with each step as ``loaders.transformer_options`` classifies them (host-only keys stay,
-per-chunk ones are cut to each rank's rows). What cannot travel: anything that patches the network itself (weight
-patches such as LoRA, hook patches, ``patches`` / ``patches_replace``, object patches inside the network,
+per-chunk ones are cut to each rank's rows). Weight patches (LoRA from stock loader nodes) travel as their adapter
+tensors and each rank patches its own rows (``loaders.weight_patches``, ``mgpu.lora``). What cannot travel: other
+patches of the network itself (hook patches, ``patches`` / ``patches_replace``, object patches inside the network,
 ControlNet) and options this pack does not know. Those raise a clear error instead of being ignored; supporting them
 under FSDP is a later step.
 """
@@ -27,15 +28,18 @@ import comfy.cli_args
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.sd
+import comfy.utils
 import folder_paths
 import torch
 
 from mgpu.errors import CallCancelled, MgpuError, RankFailure
+from mgpu.lora import PatchedModule
 from mgpu.sharded import ModelSpec, ShardedModule
 from mgpu.sizing import size_component
 
 from . import pools
 from . import transformer_options as remote_options
+from . import weight_patches
 from .plan_check import add_plan_check
 from .placement import NODE_OF_ROLE, live_devices, resolve
 from .rank_factory import agree_dtype, detect, numeric_flags
@@ -135,7 +139,8 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
     """ModelPatcher of a model whose weights live on FSDP ranks.
 
     ComfyUI's model management sees a 0-byte model, so it neither moves nor counts weights (stock ``load`` would
-    ``.to()`` the meta network and fail). Object patches (model sampling, ...) still apply, on the host's BaseModel.
+    ``.to()`` the meta network and fail). Object patches (model sampling, ...) still apply, on the host's BaseModel;
+    weight patches (LoRA) go to the ranks before the next step.
     """
 
     rank_devices: tuple[str, ...] = ()   # set by load_fsdp; clone() carries it
@@ -153,6 +158,7 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False) -> None:
         self._refuse_network_patches()
+        self._want_weight_patches()
         free_rank_gpus(self.rank_devices)
         self.model.device = device_to
         self.model.model_loaded_weight_memory = 0
@@ -166,9 +172,18 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
         if device_to is not None:
             self.model.device = device_to
 
+    def _want_weight_patches(self) -> None:
+        """ComfyUI calls ``load`` before sampling with the clone that samples: its weight patches (none: the base)
+        become what the ranks hold from the next step on; they are sent only when they changed."""
+        sharded = self.object_patches[REMOTE_FORWARD].sharded
+        if self.patches and "float8" in (sharded.unet_dtype or ""):
+            raise MgpuError(f"{NODE}: a LoRA (weight patches) on a model stored as {sharded.unet_dtype} on the FSDP "
+                            "ranks is not supported yet; set weight_dtype to default, bf16 or fp16")
+        shapes = {k: comfy.utils.get_attr(self.model, k).shape for k in self.patches}
+        sharded.set_patches(weight_patches.patch_set(self.patches, self.patches_uuid, shapes, NODE))
+
     def _refuse_network_patches(self) -> None:
         found = [label for label, present in (
-            ("weight patches (LoRA or a model merge)", self.patches),
             ("hook weight patches", self.hook_patches),
             ("weight wrappers", self.weight_wrapper_patches),
             ("object patches of the network",
@@ -176,8 +191,8 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
         ) if present]
         if found:
             raise MgpuError(f"{NODE}: this FSDP model carries {', '.join(found)}, which would not reach the FSDP "
-                            "ranks (patching a sharded model is not supported yet). Remove the nodes that add them "
-                            "(e.g. LoRA loaders), or load the model on one device")
+                            "ranks (only weight patches such as LoRA do). Remove the nodes that add them (hooks, "
+                            "bypass LoRA, ...), or load the model on one device")
 
 
 def free_rank_gpus(rank_devices: tuple[str, ...]) -> None:
@@ -242,7 +257,7 @@ def raise_interrupted(exc: CallCancelled, label: str):
     raise mm.InterruptProcessingException() from exc   # the flag was cleared meanwhile: still an interrupt
 
 
-class _ComfyShardedModule(ShardedModule):
+class _ComfyShardedModule(PatchedModule):
     """Each (re)load first takes its loader's slot (``pools.occupy``), then runs ``prepare`` on the ranks: it
     imports ComfyUI there outside the meta-device build and agrees on the dtype. The first load fixes the dtype;
     reloads (after a rank failure, or an eviction) keep it, since the host's BaseModel was built for it."""

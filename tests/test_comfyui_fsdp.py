@@ -215,7 +215,7 @@ def _pairs_prompt(models: dict[str, tuple[str, int]]) -> dict[str, Any]:
 
 
 def test_fp8_weights_match_stock(server: ComfyServer) -> None:
-    """fp8 storage on the ranks (CPU ranks all-gather it upcast, exactly: gloo has no float8) == UNETLoader fp8."""
+    """fp8 storage on the ranks (all-gathered as fp8 bytes, gloo included) == UNETLoader fp8."""
     prompt = _pairs_prompt({"stock": ("stock_unet", STEPS), "stock_fp8": ("stock_fp8_unet", STEPS),
                             "fsdp_fp8": ("fsdp_fp8_unet", STEPS)})
     prompt["stock_fp8_unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN, "weight_dtype": "fp8_e4m3fn"}}
@@ -266,22 +266,6 @@ def test_options_the_network_reads_reach_the_ranks(server: ComfyServer) -> None:
     lat = latents(server, run(server, prompt))
     assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
     assert max_diff(lat["stock"], lat["plain"]) > 10 * TOLERANCE
-
-
-def test_a_lora_on_a_sharded_model_is_refused_not_ignored(server: ComfyServer) -> None:
-    """LoRA patches the weights, which live on the ranks: until that is supported, the sampler says so."""
-    rank = 4
-    lora = {f"diffusion_model.blocks.0.self_attn.q.{part}.weight": torch.randn(shape) * 0.1
-            for part, shape in (("lora_up", (256, rank)), ("lora_down", (rank, 256)))}
-    save_file(lora, str(server.models_dir / "loras" / "mgpu_fsdp_lora.safetensors"))
-    prompt = sharded_prompt(2)
-    prompt["lora"] = {"class_type": "LoraLoaderModelOnly",
-                      "inputs": {"model": ["fsdp_unet", 0], "lora_name": "mgpu_fsdp_lora.safetensors",
-                                 "strength_model": 1.0}}
-    prompt["fsdp"]["inputs"]["model"] = ["lora", 0]
-    error = error_of(run(server, prompt, ok=False))
-    assert error["node_id"] == "fsdp"
-    assert "carries weight patches (LoRA or a model merge)" in error["exception_message"]
 
 
 def test_interrupt_stops_within_a_step_and_keeps_the_pool(server: ComfyServer) -> None:
@@ -469,3 +453,75 @@ def test_unload_models_frees_the_shards_and_free_memory_stops_the_ranks(server: 
 
     post_free_until(server, {"unload_models": True, "free_memory": True}, lambda: not ranks_of(server), 40,
                     "the idle ranks to stop")
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+LORA = "mgpu_fsdp_lora.safetensors"
+LORA_TARGETS = {"self_attn.q": (256, 256), "self_attn.o": (256, 256), "ffn.0": (512, 256)}   # (out, in)
+
+
+def write_lora(path: Path, rank: int = 4, alpha: float = 2.0) -> int:
+    """A LoRA for the tiny Wan in ComfyUI's key layout (lora_up/lora_down/alpha for every block's q, o and first
+    FFN layer, plus a bias diff), as trainers write them; returns the file's size."""
+    g = torch.Generator().manual_seed(11)
+    tensors = {}
+    for block in range(3):
+        for target, (out_dim, in_dim) in LORA_TARGETS.items():
+            name = f"diffusion_model.blocks.{block}.{target}"
+            tensors[f"{name}.lora_up.weight"] = (torch.randn(out_dim, rank, generator=g) * 0.1).to(torch.bfloat16)
+            tensors[f"{name}.lora_down.weight"] = (torch.randn(rank, in_dim, generator=g) * 0.1).to(torch.bfloat16)
+            tensors[f"{name}.alpha"] = torch.tensor(alpha)
+    tensors["diffusion_model.blocks.0.self_attn.q.diff_b"] = torch.randn(256, generator=g) * 0.1
+    save_file(tensors, str(path))
+    return path.stat().st_size
+
+
+def _lora_node(model: str, strength: float, name: str = LORA) -> dict:
+    return {"class_type": "LoraLoaderModelOnly",
+            "inputs": {"model": [model, 0], "lora_name": name, "strength_model": strength}}
+
+
+def test_a_lora_on_the_sharded_model_matches_stock(server: ComfyServer) -> None:
+    """Stock LoraLoaderModelOnly on the FSDP MODEL == on UNETLoader's: each rank patches its own rows with the
+    adapter tensors alone (bytes sent = about the LoRA file); a changed strength and the LoRA removed need no reload
+    of the base weights, and removing it gives plain stock again."""
+    lora_bytes = write_lora(server.models_dir / "loras" / LORA)
+    prompt = _pairs_prompt({"plain": ("stock_unet", STEPS), "stock_full": ("stock_lora_full", STEPS),
+                            "stock_half": ("stock_lora_half", STEPS), "fsdp_full": ("fsdp_lora_full", STEPS),
+                            "fsdp_half": ("fsdp_lora_half", STEPS), "fsdp_plain": ("fsdp_unet", STEPS)})
+    for unet in ("stock", "fsdp"):
+        prompt[f"{unet}_lora_full"] = _lora_node(f"{unet}_unet", 1.0)
+        prompt[f"{unet}_lora_half"] = _lora_node(f"{unet}_unet", 0.5)
+    prompt["fsdp_unet"]["inputs"]["unet_name"] = "mgpu_fsdp_wan_lora.safetensors"   # a model only this test loads
+    shutil.copy(server.diffusion_models / WAN, server.diffusion_models / "mgpu_fsdp_wan_lora.safetensors")
+    log_start = len(server.log())
+    lat = latents(server, run(server, prompt))
+    log = server.log()[log_start:]
+    assert max_diff(lat["fsdp_full"], lat["stock_full"]) <= TOLERANCE
+    assert max_diff(lat["fsdp_half"], lat["stock_half"]) <= TOLERANCE
+    assert max_diff(lat["fsdp_plain"], lat["plain"]) <= TOLERANCE
+    assert max_diff(lat["stock_full"], lat["plain"]) > 10 * TOLERANCE      # the LoRA changes the result ...
+    assert max_diff(lat["stock_half"], lat["stock_full"]) > 10 * TOLERANCE   # ... and so does its strength
+    assert log.count("mgpu_fsdp_wan_lora.safetensors sharded over 2 ranks") == 1   # loaded once, never reloaded
+    sent = [int(b) for n, b in re.findall(r"weight patches for (\d+) weights sent to the ranks: (\d+) bytes", log)
+            if int(n)]
+    assert len(sent) == 2 and all(0 < n <= lora_bytes for n in sent), (sent, lora_bytes)
+
+
+def test_a_lora_type_the_ranks_cannot_apply_is_refused_by_name(server: ComfyServer) -> None:
+    """A LoHa (or LoKr, DoRA, ...) is refused before the first step with the type and what to do, never applied
+    wrong."""
+    g = torch.Generator().manual_seed(3)
+    name = "diffusion_model.blocks.0.self_attn.q"
+    loha = {f"{name}.hada_w{i}_{ab}": torch.randn(*((256, 4) if ab == "a" else (4, 256)), generator=g) * 0.1
+            for i in (1, 2) for ab in "ab"}
+    save_file(loha, str(server.models_dir / "loras" / "mgpu_fsdp_loha.safetensors"))
+    prompt = sharded_prompt(2)
+    prompt["loha"] = _lora_node("fsdp_unet", 1.0, "mgpu_fsdp_loha.safetensors")
+    prompt["fsdp"]["inputs"]["model"] = ["loha", 0]
+    error = error_of(run(server, prompt, ok=False))
+    assert error["node_id"] == "fsdp"
+    assert "blocks.0.self_attn.q.weight carries a loha adapter" in error["exception_message"]
+    assert "only plain LoRA is supported" in error["exception_message"]
+
