@@ -34,6 +34,10 @@ class StubSharded:
     def free(self) -> None:
         self.freed += 1
 
+    def set_patches(self, patch_set) -> None:
+        """The sampling clone's weight patches (none here): a real one sends them before its next forward."""
+        self.patches = patch_set
+
 
 def meta_base(folder: str):
     """The host's BaseModel of a tiny Wan on meta, as load_fsdp builds it."""
