@@ -18,7 +18,7 @@ from torch import nn
 
 from mgpu.errors import MgpuError, ShardingError
 from mgpu.sizing import read_header
-from mgpu.slice_load import SAFETENSORS_DTYPES
+from mgpu.slice_load import FORMAT_KEYS, SAFETENSORS_DTYPES
 
 # Flags of the host's ComfyUI that change how the network computes (precision, attention, kernels); the ranks get
 # the same values, so sharded and stock compute agree. Boolean flags, plus ENUM_SET_FLAGS.
@@ -104,16 +104,30 @@ def detect(path: str):
         sd = stripped
     else:
         prefix = ""
-    if "scaled_fp8" in sd:   # 0.3.64 pops it into model_config.scaled_fp8; 0.33.0 leaves it for convert_old_quants
-        raise ShardingError(f"{path} is a scaled-fp8 checkpoint (a scaled_fp8 marker and per-layer scale_weight), "
-                            "which MGPU Load Diffusion Model cannot shard yet: load it on one device (device "
-                            "cuda:N or cpu), or shard the bf16/fp16 file with weight_dtype fp8_e4m3fn")
-    model_config = comfy.model_detection.model_config_from_unet(sd, "")
+    model_config = comfy.model_detection.model_config_from_unet(sd, "")   # pops a scaled_fp8 marker it supports
     if model_config is None:
         raise ShardingError(f"{path}: ComfyUI does not recognise this diffusion model from its keys, so it cannot be "
                             "sharded (diffusers-format files are converted only by ComfyUI's single-device loader); "
                             "load it on one device, or use a ComfyUI-format file")
+    if "scaled_fp8" in sd:   # newer ComfyUI (0.33.0) leaves it for convert_old_quants: quantized tensors, no fp8 ops
+        raise ShardingError(f"{path} is a scaled-fp8 checkpoint (a scaled_fp8 marker and per-layer scale_weight); "
+                            f"this ComfyUI ({_comfy_version()}) loads it as quantized tensors, which MGPU Load "
+                            "Diffusion Model cannot shard yet (ComfyUI 0.3.64's scaled-fp8 ops it can): load it on one "
+                            "device (device cuda:N or cpu), or shard the bf16/fp16 file with weight_dtype fp8_e4m3fn")
     return model_config, sd, prefix
+
+
+def _comfy_version() -> str:
+    try:
+        from comfyui_version import __version__
+    except ImportError:
+        return "version unknown"
+    return __version__
+
+
+def scaled_fp8(model_config) -> bool:
+    """Whether ComfyUI builds this network with its scaled-fp8 ops (``detect`` refuses the file otherwise)."""
+    return getattr(model_config, "scaled_fp8", None) is not None
 
 
 def prepare(ctx, payload: dict, tensors: dict) -> dict:
@@ -131,9 +145,10 @@ def prepare(ctx, payload: dict, tensors: dict) -> dict:
     forced = payload.get("unet_dtype")
     if forced is not None:
         preferred = getattr(torch, forced)
-    else:
+    else:   # as comfy.sd.load_diffusion_model_state_dict: a scaled-fp8 file's fp8 says nothing of the compute dtype
+        weight_dtype = None if scaled_fp8(model_config) else comfy.utils.weight_dtype(sd)
         preferred = mm.unet_dtype(device=device, model_params=comfy.utils.calculate_parameters(sd) // ctx.world_size,
-                                  supported_dtypes=supported, weight_dtype=comfy.utils.weight_dtype(sd))
+                                  supported_dtypes=supported, weight_dtype=weight_dtype)
     candidates = [preferred] if forced is not None else list(dict.fromkeys([preferred, *supported]))
     return {"preferred": dtype_name(preferred),
             "manual_cast": {dtype_name(d): dtype_name(mm.unet_manual_cast(d, device, supported)) for d in candidates}}
@@ -168,4 +183,29 @@ def diffusion_model(checkpoint: str, unet_dtype: str, devices: list[str], flags:
     model_config, sd, _ = detect(checkpoint)
     dtype = getattr(torch, unet_dtype)
     model_config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, device, model_config.supported_inference_dtypes))
-    return model_config.get_model(sd, "").diffusion_model
+    network = model_config.get_model(sd, "").diffusion_model
+    if scaled_fp8(model_config):
+        default_absent_scales(network, sd)
+        setattr(network, FORMAT_KEYS, ("scaled_fp8",))   # detection read the marker; it holds no weights
+    return network
+
+
+SCALES = ("scale_weight", "scale_input")
+
+
+def default_absent_scales(network: nn.Module, sd: dict[str, torch.Tensor]) -> list[str]:
+    """Scales of ComfyUI's scaled-fp8 layers that the file lacks become fixed buffers of the ops' own start value.
+
+    ComfyUI's loader leaves such a scale as the op built it (1: a layer stored unscaled); a meta parameter would be
+    allocated uninitialised instead, and the slice loader refuses keys the file lacks. Returns their names.
+    """
+    kept = []
+    for module_name, sub in network.named_modules():
+        for name in SCALES:
+            param = sub._parameters.get(name)
+            key = f"{module_name}.{name}"
+            if param is not None and key not in sd:
+                del sub._parameters[name]
+                sub.register_buffer(name, torch.ones(param.shape, dtype=param.dtype), persistent=False)
+                kept.append(key)
+    return kept

@@ -102,6 +102,23 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
+def replicate_scalars(model: nn.Module) -> list[str]:
+    """Turn every 0-d parameter into a (persistent) buffer, which every rank holds whole; returns their names.
+
+    FSDP2 refuses to shard a scalar, and one number is not worth a collective: per-layer scales (ComfyUI's scaled
+    fp8 ``scale_weight`` / ``scale_input``) stay replicated, keep their state-dict keys, and the slice loader reads
+    them whole like any buffer. Modules read them as attributes, so a buffer serves them as the parameter did.
+    """
+    names = []
+    for module_name, sub in model.named_modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.ndim == 0:
+                del sub._parameters[name]
+                sub.register_buffer(name, param.data)
+                names.append(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
 def compute_dtype_for(device: torch.device | str, requested: torch.dtype | None,
                       capability: tuple[int, int] | None = None) -> torch.dtype | None:
     """The dtype to all-gather and compute in: ``requested`` unless the device cannot run it.
@@ -133,8 +150,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = 
     The parameters are frozen: this is inference, and FSDP lets a unit of frozen parameters mix dtypes (ComfyUI
     keeps Wan's patch embedding in fp32 beside bf16 weights). fp8 parameters travel as their fp8 bytes whatever
     ``param_dtype`` (``mgpu.quant.Fp8Weight``): they reach the block upcast to ``param_dtype``, or as fp8 without one.
+    Scalar parameters (per-layer scales) are replicated, not sharded (``replicate_scalars``).
     """
     model.requires_grad_(False)
+    replicate_scalars(model)
     wrap_fp8_parameters(model)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, cast_forward_inputs=False)
     units: list[FSDPModule] = []

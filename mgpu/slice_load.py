@@ -30,6 +30,9 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 if hasattr(torch, "float8_e8m0fnu"):  # torch >= 2.7
     SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+# A model attribute naming checkpoint keys (without prefix) that describe the file's format and hold no weights,
+# e.g. ComfyUI's ``scaled_fp8`` marker: set by whoever built the model from them, they are not "unexpected".
+FORMAT_KEYS = "checkpoint_format_keys"
 
 
 @dataclass
@@ -153,9 +156,9 @@ def load_sharded(model: nn.Module, path: str | os.PathLike, *, key_map: Callable
 
     ``path``: a .safetensors file, a sharded folder or its index. Checkpoint key = ``prefix + key_map(model_name)``;
     ``prefix=None`` detects it (``""``, ``model.diffusion_model.``, ...). Unexpected keys count under that prefix
-    only, so one component of a combined checkpoint loads by its prefix. Missing keys, shape mismatches and (with
-    ``strict``) unexpected keys raise ``ShardingError`` before any read. Call after ``mgpu.fsdp.materialize``;
-    unsharded models load too (every tensor then reads whole).
+    only, so one component of a combined checkpoint loads by its prefix; the model's ``FORMAT_KEYS`` are none.
+    Missing keys, shape mismatches and (with ``strict``) unexpected keys raise ``ShardingError`` before any read.
+    Call after ``mgpu.fsdp.materialize``; unsharded models load too (every tensor then reads whole).
     """
     began = time.perf_counter()
     path = os.fspath(path)
@@ -164,7 +167,8 @@ def load_sharded(model: nn.Module, path: str | os.PathLike, *, key_map: Callable
     names = {n: key_map(n) if key_map else n for n in targets}
     prefix = _detect_prefix(list(names.values()), set(entries)) if prefix is None else prefix
     keys = {n: prefix + k for n, k in names.items()}
-    unexpected = sorted(k for k in entries.keys() - set(keys.values()) if k.startswith(prefix))
+    consumed = set(keys.values()) | {prefix + k for k in getattr(model, FORMAT_KEYS, ())}
+    unexpected = sorted(k for k in entries.keys() - consumed if k.startswith(prefix))
     _check(model, path, prefix, targets, keys, entries, unexpected if strict else [])
 
     initialized = dist.is_available() and dist.is_initialized()

@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from mgpu.errors import ShardingError
 from mgpu.fsdp import build_meta, materialize, shard
 from mgpu.quant import Fp8Weight, store_as
 from mgpu.slice_load import load_sharded
@@ -203,33 +202,3 @@ def test_wide_fp8_sharded_matches_dequantized(run: Run):
     for out in run.out:
         assert torch.allclose(out["wide_fp8"].float(), want.float(), rtol=1e-2, atol=1e-2)
 
-
-HAVE_COMFY = tm.comfyui_path() is not None
-
-
-@pytest.mark.comfyui
-@pytest.mark.skipif(not HAVE_COMFY, reason="needs a ComfyUI checkout (COMFYUI_PATH)")
-def test_scaled_fp8_checkpoint_is_refused_by_name_on_every_comfyui(tmp_path):
-    """ComfyUI's scaled fp8 (marker + per-layer scales) is refused before any rank starts, with the ways out; on
-    0.33.0 detection no longer flags it (the marker is left for convert_old_quants), so the marker itself decides."""
-    import comfy_checkpoints as cc
-    from safetensors.torch import load_file
-
-    tm._import_comfy()
-    from loaders.rank_factory import detect
-
-    state = load_file(cc.write_tiny_wan21_t2v(tmp_path / "wan.safetensors"))
-    scaled = {"scaled_fp8": torch.empty(0, dtype=FP8)}
-    for key, value in state.items():
-        if key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2:
-            layer = key.removesuffix("weight")
-            scale = value.float().abs().max() / torch.finfo(FP8).max
-            scaled |= {key: (value.float() / scale).to(FP8), f"{layer}scale_weight": scale.reshape(()),
-                       f"{layer}scale_input": torch.ones(())}
-        else:
-            scaled[key] = value
-    path = tmp_path / "wan_scaled.safetensors"
-    save_file(scaled, path)
-    with pytest.raises(ShardingError, match=r"wan_scaled.safetensors is a scaled-fp8 checkpoint .*load it on one device"):
-        detect(str(path))
-    assert type(detect(str(tmp_path / "wan.safetensors"))[0]).__name__ == "WAN21_T2V"
