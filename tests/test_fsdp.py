@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 import json
 import struct
-import time
 from pathlib import Path
 
 import pytest
 import tiny_models as tm
+from rank_runs import run_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from comfyui_env import SKIP_REASON
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -112,18 +111,7 @@ class Run:
         self.state = {name: tm.save_checkpoint(m, workdir / f"{name}.safetensors") for name, m in self.refs.items()}
         self.state[FROM_BF16] = tm.save_checkpoint(self.refs["mlp"], workdir / f"{FROM_BF16}.safetensors",
                                                    dtype=torch.bfloat16)
-        began = time.perf_counter()
-        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-        ctx = mp.start_processes(_rank_main, args=(world, str(workdir), MODELS), nprocs=world, join=False,
-                                 start_method="forkserver")
-        try:
-            while not ctx.join(timeout=1):
-                if time.perf_counter() - began > RUN_TIMEOUT_S:
-                    raise TimeoutError(f"{world}-rank run did not finish in {RUN_TIMEOUT_S} s")
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
+        run_ranks(_rank_main, world, (world, str(workdir), MODELS), PRELOAD, RUN_TIMEOUT_S)
         self.tensors = [load_file(workdir / f"rank{r}.safetensors") for r in range(world)]
         self.numbers = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world)]
 

@@ -4,15 +4,14 @@ exactly like the same model dequantized on one device, at about half the all-gat
 from __future__ import annotations
 
 import json
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import tiny_models as tm
+from rank_runs import run_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -150,18 +149,7 @@ class Run:
         save_file(self.wide_bf16, workdir / "wide_bf16.safetensors")
         self.wide_fp8 = quantized_state(wide, torch.bfloat16)
         save_file(self.wide_fp8, workdir / "wide_fp8.safetensors")
-        began = time.perf_counter()
-        mp.get_context("forkserver").set_forkserver_preload(["tiny_models"])
-        ctx = mp.start_processes(_rank_main, args=(world, str(workdir)), nprocs=world, join=False,
-                                 start_method="forkserver")
-        try:
-            while not ctx.join(timeout=1):
-                if time.perf_counter() - began > RUN_TIMEOUT_S:
-                    raise TimeoutError(f"{world}-rank run did not finish in {RUN_TIMEOUT_S} s")
-        finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
+        run_ranks(_rank_main, world, (world, str(workdir)), ["tiny_models"], RUN_TIMEOUT_S)
         self.out = [load_file(workdir / f"rank{r}.safetensors") for r in range(world)]
         self.numbers = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world)]
 

@@ -5,14 +5,13 @@ ranks, newer ComfyUI's (quantized tensors) are refused by name. The end-to-end c
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import tiny_models as tm
+from rank_runs import run_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from scaled_fp8_files import FP8, scaled_fp8_state, write_scaled_fp8
 from torch import nn
@@ -87,19 +86,8 @@ def _rank_main(rank: int, world: int, workdir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, workdir: Path) -> list[dict[str, torch.Tensor]]:
-    began = time.perf_counter()
-    mp.get_context("forkserver").set_forkserver_preload(["tiny_models"])
-    ctx = mp.start_processes(_rank_main, args=(world, str(workdir)), nprocs=world, join=False,
-                             start_method="forkserver")
-    try:
-        while not ctx.join(timeout=1):
-            if time.perf_counter() - began > RUN_TIMEOUT_S:
-                raise TimeoutError(f"{world}-rank run did not finish in {RUN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
+def rank_outputs(world: int, workdir: Path) -> list[dict[str, torch.Tensor]]:
+    run_ranks(_rank_main, world, (world, str(workdir)), ["tiny_models"], RUN_TIMEOUT_S)
     return [load_file(workdir / f"rank{r}.safetensors") for r in range(world)]
 
 
@@ -110,7 +98,7 @@ def test_scalar_scales_are_replicated_and_the_fp8_rows_sharded(tmp_path: Path) -
     save_file(state, tmp_path / "scaled.safetensors")
     with torch.no_grad():
         want = reference(state)(tm.mlp_inputs(2)["x"])
-    for out in run_ranks(2, tmp_path):
+    for out in rank_outputs(2, tmp_path):
         assert torch.allclose(out["y"], want, rtol=1e-5, atol=1e-6), (out["y"] - want).abs().max()
         for i in range(3):
             assert torch.equal(out[f"scale{i}"], state[f"blocks.{i}.scale_weight"])
