@@ -1,4 +1,4 @@
-"""Bytes FSDP all-gathers per forward for fp8 storage vs bf16 storage (``mgpu.quant.Fp8Weight``), on gloo cpu ranks.
+"""Bytes FSDP all-gathers per forward for fp8 storage vs bf16 storage (``mgpu.weights.quant.Fp8Weight``), on gloo cpu ranks.
 
 A stack of Linear blocks (bf16 compute) is sharded over ``--ranks`` processes twice: weights stored in bf16, then in
 float8_e4m3fn. Every all-gather a rank joins is counted (the output buffer's bytes), per forward, with its time.
@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mgpu.fsdp import build_meta, materialize, shard  # noqa: E402
-from mgpu.quant import store_as  # noqa: E402
-from mgpu.slice_load import load_sharded  # noqa: E402
+from mgpu.sharding.fsdp import build_meta, materialize, shard  # noqa: E402
+from mgpu.weights.quant import store_as  # noqa: E402
+from mgpu.sharding.slice_load import load_sharded  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 

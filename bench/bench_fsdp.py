@@ -25,9 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from mgpu.demo import FACTORY, DemoConfig, make_checkpoint, wan_transformer  # noqa: E402
-from mgpu.devices import format_bytes  # noqa: E402
-from mgpu.pool import PoolConfig, RankPool  # noqa: E402
-from mgpu.sharded import ModelSpec, ShardedModule  # noqa: E402
+from mgpu.planning.devices import format_bytes  # noqa: E402
+from mgpu.ranks.pool import PoolConfig, RankPool  # noqa: E402
+from mgpu.sharding.sharded import ModelSpec, ShardedModule  # noqa: E402
 
 
 def step_inputs(cfg: DemoConfig) -> dict:

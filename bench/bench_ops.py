@@ -8,9 +8,9 @@ from functools import partial
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from mgpu.fsdp import build_meta, materialize, shard
-from mgpu.model_ops import _local_bytes, batch_rows
-from mgpu.rank import import_path
+from mgpu.sharding.fsdp import build_meta, materialize, shard
+from mgpu.sharding.model_ops import _local_bytes, batch_rows
+from mgpu.ranks.rank import import_path
 
 
 def echo(ctx, payload: dict, tensors: dict) -> tuple[dict, dict]:

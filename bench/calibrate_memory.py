@@ -10,7 +10,7 @@ Runs on the CPU, under a Python that has ComfyUI's requirements, in a few minute
 * measured: ComfyUI's own network with one real-dimension block, in bf16 with pytorch (sdpa) attention, runs a
   forward at a few token counts; the peak of live tensor bytes minus the weights (``memprobe.LiveBytes``) gives
   bytes per token (a least-squares line), extrapolated to the reference video.
-* ours: ``mgpu.estimates.dit_activation_bytes`` at the same token counts (per-token slope) and at the reference
+* ours: ``mgpu.planning.estimates.dit_activation_bytes`` at the same token counts (per-token slope) and at the reference
   video, with and without the budget rule.
 
 VAEs: ComfyUI's ``VAE.memory_used_decode`` (built on meta) beside ``vae_decode_bytes``. Text encoders: ComfyUI keeps
@@ -70,7 +70,7 @@ class DitRow:
     tokens: int
     hidden: int
     comfyui_memory_required: int        # BaseModel.memory_required, batch 1, GPU branch
-    restated_memory_required: int       # mgpu.estimates.comfyui_memory_required: must equal the above
+    restated_memory_required: int       # mgpu.planning.estimates.comfyui_memory_required: must equal the above
     comfyui_reservation: int            # what load_models_gpu keeps free beside the weights
     ours_activations: int               # dit_activation_bytes at the video, batch 1
     ours_working_single: int            # dit_working_bytes(batch=1): the budget rule on one GPU (with overhead)
@@ -114,7 +114,7 @@ def gpu_memory_required(base_model, shape: list[int]) -> int:
 def one_block_network(path: Path, device: str = "cpu") -> torch.nn.Module:
     """ComfyUI's own network for a one-block checkpoint, in bf16 on ``device``, random weights."""
     from loaders.rank_factory import detect
-    from mgpu.fsdp import build_meta, materialize
+    from mgpu.sharding.fsdp import build_meta, materialize
 
     config, sd, _ = detect(str(path))
     config.set_inference_dtype(torch.bfloat16, None)
@@ -155,9 +155,9 @@ def forward_inputs(size, tokens: int | tuple[int, int, int],
 
 
 def dit_row(name: str, fam: Family, folder: Path, tokens: list[int]) -> DitRow:
-    from mgpu.estimates import (Workload, comfyui_memory_required, comfyui_reservation_bytes, dit_activation_bytes,
+    from mgpu.planning.estimates import (Workload, comfyui_memory_required, comfyui_reservation_bytes, dit_activation_bytes,
                                 dit_tokens, dit_working_bytes, latent_shape)
-    from mgpu.sizing import size_component
+    from mgpu.planning.sizing import size_component
     from loaders.rank_factory import detect
 
     began = time.perf_counter()
@@ -194,9 +194,9 @@ def vae_rows(folder: Path) -> list[dict]:
     """ComfyUI's decode reservation (bf16) beside ours, each VAE at the video of the DiT it decodes for."""
     import comfy.sd
     from loaders.rank_factory import meta_state_dict
-    from mgpu.estimates import (Workload, comfyui_reservation_bytes, comfyui_vae_decode_bytes, latent_shape,
+    from mgpu.planning.estimates import (Workload, comfyui_reservation_bytes, comfyui_vae_decode_bytes, latent_shape,
                                 vae_activation_bytes, vae_decode_bytes)
-    from mgpu.sizing import size_component
+    from mgpu.planning.sizing import size_component
 
     rows = []
     for fam in FAMILIES.values():
@@ -220,8 +220,8 @@ def vae_rows(folder: Path) -> list[dict]:
 
 def text_encoder_rows(folder: Path) -> list[dict]:
     import comfy.model_management as mm
-    from mgpu.estimates import text_encoder_activation_bytes, text_encoder_working_bytes
-    from mgpu.sizing import size_component
+    from mgpu.planning.estimates import text_encoder_activation_bytes, text_encoder_working_bytes
+    from mgpu.planning.sizing import size_component
 
     rows = []
     for name, builder in TEXT_ENCODERS.items():
@@ -245,7 +245,7 @@ def markdown(report: dict) -> str:
              "| DiT | video | tokens | measured B/token (U) | ours B/token (U) | measured at video | ours (x safety) "
              "| ComfyUI memory_required | ComfyUI reservation | need on one GPU | need per FSDP rank* |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    from mgpu.estimates import ACTIVATION_SAFETY
+    from mgpu.planning.estimates import ACTIVATION_SAFETY
 
     for r in report["dits"]:
         unit = 2 * r["hidden"]

@@ -8,11 +8,11 @@ Sections, each in try/except (its error goes into the report and the run moves o
 deadline is left:
 
   environment      torch, CUDA, NCCL, the GPUs
-  inventory        ``mgpu.devices.inventory()`` (NVML) against torch.cuda: count, names, total and free memory
+  inventory        ``mgpu.planning.devices.inventory()`` (NVML) against torch.cuda: count, names, total and free memory
   fsdp             a one-rank pool (NCCL on a GPU) loads a real-dimension Wan-shaped stand-in (bench/dit_standin.py,
                    Wan 14B block size) slice by slice and runs a CFG step, compared with the model run directly
   calibration      peak memory of one real-dimension Wan block forward at several token counts (up to a 720p
-                   video's 75,600) against ``mgpu.estimates.dit_activation_bytes``; ComfyUI's own WanModel when
+                   video's 75,600) against ``mgpu.planning.estimates.dit_activation_bytes``; ComfyUI's own WanModel when
                    COMFYUI_PATH is set, else the stand-in
   fp8              float8_e4m3fn weights with bf16 compute (upcast), and ``torch._scaled_mm`` (capability >= 8.9)
   load_throughput  a few-GB safetensors file loaded by a rank, cold (page cache dropped) and warm
@@ -95,7 +95,7 @@ class Run:
     @contextlib.contextmanager
     def pool(self):
         """A one-rank pool on the device, closed on the way out; its calls time out at the deadline."""
-        from mgpu.pool import PoolConfig, RankPool
+        from mgpu.ranks.pool import PoolConfig, RankPool
 
         left = max(10.0, self.left())
         pool = RankPool(PoolConfig(devices=[self.sizes.device], extra_sys_path=[str(HERE)], call_timeout_s=left,
@@ -144,7 +144,7 @@ def environment(run: Run) -> dict:
 
 def inventory(run: Run) -> dict:
     """NVML's view (through mgpu) against torch's, GPU by GPU in torch's order."""
-    from mgpu.devices import gpus, inventory as live_inventory
+    from mgpu.planning.devices import gpus, inventory as live_inventory
 
     seen = gpus(live_inventory(include_cpu=False))
     torch_gpus = []
@@ -196,7 +196,7 @@ def fsdp(run: Run) -> dict:
     from safetensors.torch import load_file
 
     from dit_standin import wan_standin
-    from mgpu.sharded import ModelSpec, ShardedModule
+    from mgpu.sharding.sharded import ModelSpec, ShardedModule
 
     s = run.sizes
     path, nbytes, write_s = write_checkpoint(run, "fsdp", s.fsdp_layers)
@@ -232,13 +232,13 @@ def fsdp(run: Run) -> dict:
 
 def _calibration_model(run: Run) -> tuple[torch.nn.Module, object, Callable, str]:
     """(network, its ComponentSize, inputs builder, which) for one real-dimension block."""
-    from mgpu.sizing import size_from_bytes
+    from mgpu.planning.sizing import size_from_bytes
 
     s = run.sizes
     comfyui = os.environ.get("COMFYUI_PATH")
     if comfyui:
         import calibrate_memory as cm
-        from mgpu.sizing import size_component
+        from mgpu.planning.sizing import size_component
 
         cm.import_comfyui(comfyui, cpu=torch.device(s.device).type == "cpu")
         path = cm.write_header_only(run.tmp, "wan-1block", "wan_dit", dim=s.dim, ffn=s.ffn, layers=1)
@@ -267,7 +267,7 @@ def _calibration_model(run: Run) -> tuple[torch.nn.Module, object, Callable, str
 
 def calibration(run: Run) -> dict:
     """Measured peak above the weights vs the calibrated formula, per token count."""
-    from mgpu.estimates import ACTIVATION_SAFETY, dit_activation_bytes
+    from mgpu.planning.estimates import ACTIVATION_SAFETY, dit_activation_bytes
 
     model, size, inputs, which = _calibration_model(run)
     points = []
@@ -354,7 +354,7 @@ def _drop_page_cache(path: Path) -> bool:
 
 def load_throughput(run: Run) -> dict:
     """A rank reads its slices of a few-GB file: from disk (page cache dropped), then from the page cache."""
-    from mgpu.sharded import ModelSpec, ShardedModule
+    from mgpu.sharding.sharded import ModelSpec, ShardedModule
 
     s = run.sizes
     path, nbytes, write_s = write_checkpoint(run, "load", s.load_layers)

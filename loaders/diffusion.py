@@ -10,7 +10,7 @@ only their slices of the checkpoint.
 
 ``transformer_options`` travel with each step as ``loaders.transformer_options`` classifies them (host-only keys stay,
 per-chunk ones are cut to each rank's rows). Weight patches (LoRA from stock loader nodes) travel as their adapter
-tensors and each rank patches its own rows (``loaders.weight_patches``, ``mgpu.lora``). What cannot travel: other
+tensors and each rank patches its own rows (``loaders.weight_patches``, ``mgpu.weights.lora``). What cannot travel: other
 patches of the network itself (hook patches, ``patches`` / ``patches_replace``, object patches inside the network,
 ControlNet) and options this pack does not know. Those raise a clear error instead of being ignored; supporting them
 under FSDP is a later step.
@@ -33,9 +33,9 @@ import folder_paths
 import torch
 
 from mgpu.errors import CallCancelled, MgpuError, RankFailure
-from mgpu.lora import PatchedModule
-from mgpu.sharded import ModelSpec, ShardedModule
-from mgpu.sizing import size_component
+from mgpu.weights.lora import PatchedModule
+from mgpu.sharding.sharded import ModelSpec, ShardedModule
+from mgpu.planning.sizing import size_component
 
 from . import pools
 from . import transformer_options as remote_options
@@ -85,8 +85,8 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
 def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
     """No MGPU Plan connected: decide like a plan for the DiT alone on these ranks (its default workload) whether
     the gathered weights can stay between steps, from the file's header and the devices' free memory now."""
-    from mgpu.estimates import Workload
-    from mgpu.partition import Component, keep_gathered
+    from mgpu.planning.estimates import Workload
+    from mgpu.planning.partition import Component, keep_gathered
 
     live = {d.id: d for d in live_devices()}
     try:

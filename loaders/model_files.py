@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mgpu.devices import Device, inventory, parse_spec
+from mgpu.planning.devices import Device, inventory, parse_spec
 from mgpu.errors import MgpuError, SizingError
-from mgpu.estimates import Workload
+from mgpu.planning.estimates import Workload
 # phases_resident is the partitioner's own residency rule: the chart's bars then add up to its numbers.
-from mgpu.partition import PHASES, Component, Plan, Policy, phases_resident, make_plan
-from mgpu.sizing import ComponentSize, size_component
+from mgpu.planning.partition import PHASES, Component, Plan, Policy, phases_resident, make_plan
+from mgpu.planning.sizing import ComponentSize, size_component
 
 from .placement import live_devices
 

@@ -16,7 +16,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from mgpu.devices import Device, format_bytes, gpus, host, inventory
+from mgpu.planning.devices import Device, format_bytes, gpus, host, inventory
 from mgpu.errors import MgpuError
 
 log = logging.getLogger("mgpu")
@@ -192,7 +192,7 @@ def resolve(choice: str, role: str, plan=None, devices: list[Device] | None = No
 
     explicit "cuda:N" -> single on it; "cpu" -> cpu; "fsdp" (DiT only) -> the plan's FSDP group, else every
     GPU, else CPU ranks; "auto" -> the plan's placement for the role, else the GPU with most free memory, else
-    cpu. ``plan`` is an ``mgpu.partition.Plan`` or None; ``devices`` replaces the live machine (tests).
+    cpu. ``plan`` is an ``mgpu.planning.partition.Plan`` or None; ``devices`` replaces the live machine (tests).
     Raises MgpuError naming the node, the device and the choices when a device does not exist here.
     """
     node = _node(role)

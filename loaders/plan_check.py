@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 
-from mgpu.estimates import Workload, dit_tokens
-from mgpu.sizing import ComponentSize
+from mgpu.planning.estimates import Workload, dit_tokens
+from mgpu.planning.sizing import ComponentSize
 
 log = logging.getLogger("mgpu")
 

@@ -4,7 +4,7 @@ Starting ranks costs seconds to minutes (imports, CUDA contexts, rendezvous), so
 shares one pool, and the ranks outlive the models: a model ComfyUI drops (its node cache moved on, or POST /free)
 gives its shards back, and the next model on these devices starts at once; a loader run again first takes the model
 it loaded before off the GPUs (``occupy``). A pool left without models is stopped when one on other devices starts,
-so idle ranks never pile up. Ranks never outlive ComfyUI: ``mgpu.pool`` closes every pool at exit, and a rank dies
+so idle ranks never pile up. Ranks never outlive ComfyUI: ``mgpu.ranks.pool`` closes every pool at exit, and a rank dies
 with its host if that is killed (PR_SET_PDEATHSIG and a watchdog).
 
 No ComfyUI import here: this is plain bookkeeping, unit-tested without ComfyUI.
@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 
 from mgpu.errors import MgpuError, RankFailure
-from mgpu.pool import PoolConfig, RankPool
+from mgpu.ranks.pool import PoolConfig, RankPool
 
 log = logging.getLogger("mgpu")
 
@@ -98,7 +98,7 @@ def release_with(model: object, sharded) -> None:
     garbage: ownership follows the loaded model, not the node that loaded it, so a model any workflow, browser
     tab or cache entry still holds is never freed, whatever node ids collide."""
     _live.add(sharded)
-    weakref.finalize(model, _on_collected, sharded).atexit = False   # at exit mgpu.pool closes every pool
+    weakref.finalize(model, _on_collected, sharded).atexit = False   # at exit mgpu.ranks.pool closes every pool
 
 
 def _stop_idle_locked() -> None:

@@ -5,7 +5,7 @@ root on their path); the host imports it as part of the pack for ``detect`` and 
 imported inside functions: on a rank its command-line flags must be set first, because ``comfy.model_management``
 reads them (and probes the device) at import.
 
-Per (re)load the host calls ``prepare`` on every rank, then ``mgpu.model_ops:load`` with ``diffusion_model`` as the
+Per (re)load the host calls ``prepare`` on every rank, then ``mgpu.sharding.model_ops:load`` with ``diffusion_model`` as the
 factory. ``prepare`` does the ComfyUI imports outside the meta-device build, and reports the dtypes this rank's
 device would compute in, so the host can pick one dtype for all ranks (FSDP shards one storage dtype, and the host
 casts the inputs once).
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from mgpu.errors import MgpuError, ShardingError
-from mgpu.sizing import read_header
-from mgpu.slice_load import FORMAT_KEYS, SAFETENSORS_DTYPES
+from mgpu.planning.sizing import read_header
+from mgpu.sharding.slice_load import FORMAT_KEYS, SAFETENSORS_DTYPES
 
 # Flags of the host's ComfyUI that change how the network computes (precision, attention, kernels); the ranks get
 # the same values, so sharded and stock compute agree. Boolean flags, plus ENUM_SET_FLAGS.
@@ -173,7 +173,7 @@ def agree_dtype(replies: list[dict], devices: list[str]) -> tuple[str, str | Non
 
 
 def diffusion_model(checkpoint: str, unet_dtype: str, devices: list[str], flags: Flags) -> nn.Module:
-    """FSDP factory (``ModelSpec.factory``, run under ``mgpu.fsdp.build_meta``): ComfyUI's network for the
+    """FSDP factory (``ModelSpec.factory``, run under ``mgpu.sharding.fsdp.build_meta``): ComfyUI's network for the
     checkpoint, stored in ``unet_dtype``, with the operations ComfyUI picks for this rank's device."""
     import torch.distributed as dist
 

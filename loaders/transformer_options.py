@@ -17,7 +17,7 @@ import uuid
 import torch
 
 from mgpu.errors import MgpuError
-from mgpu.sharded import PerChunk
+from mgpu.sharding.sharded import PerChunk
 
 # Used on the host only: what they drive has already run (wrappers, callbacks) or concerns the host's own memory.
 HOST_ONLY = {

@@ -1,4 +1,4 @@
-"""ComfyUI's weight patches on a sharded MODEL (what LoraLoaderModelOnly / LoraLoader add) as an ``mgpu.lora``
+"""ComfyUI's weight patches on a sharded MODEL (what LoraLoaderModelOnly / LoraLoader add) as an ``mgpu.weights.lora``
 PatchSet: the ranks apply them to their own rows, so stock LoRA nodes work on the FSDP MODEL.
 
 ``ModelPatcher.patches`` maps a weight name to a list of ``(strength, adapter, strength_model, offset, function)``
@@ -16,7 +16,7 @@ import torch
 from comfy.weight_adapter import LoRAAdapter, WeightAdapterBase
 
 from mgpu.errors import MgpuError
-from mgpu.lora import BASE, PatchSet
+from mgpu.weights.lora import BASE, PatchSet
 
 PREFIX = "diffusion_model."   # BaseModel's network: the ranks' model is the network alone
 ADVICE = ("remove that node (e.g. the LoRA loader) or convert the file to a plain LoRA, or load the model on one "

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
-    from mgpu.devices import format_bytes, inventory
+    from mgpu.planning.devices import format_bytes, inventory
 
     devices = inventory(args.devices)
     if args.json:
@@ -76,10 +76,10 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mgpu.devices import inventory, parse_bytes
-    from mgpu.estimates import Workload, weight_bytes
-    from mgpu.partition import Component, Policy, make_plan
-    from mgpu.sizing import size_component
+    from mgpu.planning.devices import inventory, parse_bytes
+    from mgpu.planning.estimates import Workload, weight_bytes
+    from mgpu.planning.partition import Component, Policy, make_plan
+    from mgpu.planning.sizing import size_component
 
     for name in ("width", "height", "frames", "batch"):
         if getattr(args, name) < 1:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mgpu.devices import format_bytes, gpus, inventory
+from mgpu.planning.devices import format_bytes, gpus, inventory
 from mgpu.errors import MgpuError
 
 FACTORY = "mgpu.demo:wan_transformer"
@@ -124,11 +124,11 @@ def _rank_devices(machine: list, requested: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mgpu.estimates import Workload
-    from mgpu.partition import Component, Policy, make_plan
-    from mgpu.pool import PoolConfig, RankPool
-    from mgpu.sharded import ModelSpec, ShardedModule
-    from mgpu.sizing import size_component
+    from mgpu.planning.estimates import Workload
+    from mgpu.planning.partition import Component, Policy, make_plan
+    from mgpu.ranks.pool import PoolConfig, RankPool
+    from mgpu.sharding.sharded import ModelSpec, ShardedModule
+    from mgpu.planning.sizing import size_component
 
     if args.dim % args.heads:
         raise MgpuError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")

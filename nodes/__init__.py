@@ -2,7 +2,7 @@
 
 from comfy_api.latest import ComfyExtension, io
 
-from mgpu.pool import clean_up_on_sigterm, sweep_stale_dirs
+from mgpu.ranks.pool import clean_up_on_sigterm, sweep_stale_dirs
 
 from ..loaders import pools
 

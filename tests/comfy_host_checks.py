@@ -206,21 +206,21 @@ def check_model_lifetimes(folder: str) -> dict:
     when each load starts (after its loader's previous model left), and whether models still held still sample."""
     import folder_paths
 
-    import mgpu.sharded
+    import mgpu.sharding.sharded
     from comfy_checkpoints import WanDiTConfig, write_tiny_wan21_t2v
     from loaders import diffusion
 
     write_tiny_wan21_t2v(Path(folder) / WAN, WanDiTConfig())
     folder_paths.add_model_folder_path("diffusion_models", folder)
     at_load_start: list[list[str]] = []
-    real_load = mgpu.sharded.ShardedModule.load
+    real_load = mgpu.sharding.sharded.ShardedModule.load
 
     def load(self, *args, **kwargs):
         if self.pool.alive:
             at_load_start.append(_rank_handles(self))
         return real_load(self, *args, **kwargs)
 
-    mgpu.sharded.ShardedModule.load = load
+    mgpu.sharding.sharded.ShardedModule.load = load
 
     def loader(tab: str):
         return diffusion.load(WAN, "default", "fsdp", 2, slot=(tab, "4"))
@@ -257,7 +257,7 @@ def check_vae_reads_only_its_tensors(folder: str, dit_gib: float) -> dict:
     import ckpt_layouts as L
     from comfy_checkpoints import random_state_dict, save_checkpoint, wan21_vae_shapes
     from loaders import components
-    from mgpu.sizing import read_header
+    from mgpu.planning.sizing import read_header
 
     vae_sd = random_state_dict(wan21_vae_shapes(), seed=5)
     pure = save_checkpoint(Path(folder) / "pure_vae.safetensors", vae_sd)

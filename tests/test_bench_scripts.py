@@ -1,5 +1,5 @@
 """bench/gpu_check.py runs unattended and stops by itself; bench/calibrate_memory.py's ComfyUI figures are the ones
-mgpu.estimates restates (and calibrates against), on whichever ComfyUI COMFYUI_PATH names."""
+mgpu.planning.estimates restates (and calibrates against), on whichever ComfyUI COMFYUI_PATH names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from comfyui_env import SKIP_REASON, find_comfyui
-from mgpu.estimates import (COMFYUI_EXTRA_RESERVED_BYTES, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES,
+from mgpu.planning.estimates import (COMFYUI_EXTRA_RESERVED_BYTES, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES,
                             comfyui_reservation_bytes)
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"

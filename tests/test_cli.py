@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ckpt_layouts as L
-from mgpu.partition import Plan
+from mgpu.planning.partition import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -138,7 +138,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ranks_of(server: ComfyServer) -> list[psutil.Process]:
-    """The rank worker processes started by the server (``python -m mgpu.rank``)."""
+    """The rank worker processes started by the server (``python -m mgpu.ranks.rank``)."""
     try:
         children = psutil.Process(server.process.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -146,7 +146,7 @@ def ranks_of(server: ComfyServer) -> list[psutil.Process]:
     found = []
     for p in children:
         try:
-            if "mgpu.rank" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+            if "mgpu.ranks.rank" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except psutil.Error:
             continue
@@ -342,7 +342,7 @@ def test_killed_rank_is_a_node_error_and_the_next_prompt_rebuilds(server: ComfyS
 
 def pool_dirs(owner: int) -> list[str]:
     """The private directories (shared-memory segments, logs) of pools run by process ``owner``."""
-    from mgpu import shm
+    from mgpu.ranks import shm
 
     return [os.path.join(parent, n) for parent in {shm.shm_parent(), tempfile.gettempdir()}
             for n in os.listdir(parent) if n.startswith(f"mgpu-{owner}-")]
@@ -351,7 +351,7 @@ def pool_dirs(owner: int) -> list[str]:
 def test_ranks_and_shared_memory_go_with_comfyui(tmp_path: Path) -> None:
     """(f) ComfyUI stopped on its own (SIGTERM to the main process only): its ranks go with it and so do their shared
     memory and directories; what a killed ComfyUI left (a directory whose owner is gone) is swept when the pack loads."""
-    from mgpu import shm
+    from mgpu.ranks import shm
 
     comfyui = find_comfyui()
     if comfyui is None:

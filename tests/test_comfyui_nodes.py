@@ -14,7 +14,7 @@ import pytest
 from comfy_checkpoints import random_state_dict, save_checkpoint, write_tiny_wan21_t2v, write_wan21_vae
 from comfyui_env import ComfyServer, PromptRejected
 
-from mgpu.partition import Plan
+from mgpu.planning.partition import Plan
 
 pytestmark = pytest.mark.comfyui
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mgpu import devices as dev
-from mgpu.devices import Device, format_bytes, format_spec, gpus, host, inventory, parse_bytes, parse_spec
+from mgpu.planning import devices as dev
+from mgpu.planning.devices import Device, format_bytes, format_spec, gpus, host, inventory, parse_bytes, parse_spec
 from mgpu.errors import DeviceSpecError
 
 GiB = 2**30
@@ -323,7 +323,7 @@ def test_torch_fallback_when_nvml_broken(monkeypatch, caplog):
 
 
 def test_import_needs_neither_torch_nor_nvml_nor_comfy():
-    code = ("import sys, mgpu.devices; bad = {'torch', 'pynvml', 'comfy', 'psutil'} & set(sys.modules); "
+    code = ("import sys, mgpu.planning.devices; bad = {'torch', 'pynvml', 'comfy', 'psutil'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 

@@ -1,4 +1,4 @@
-"""mgpu.estimates: token counts, working-memory formulas and weight recasting on full-size layouts."""
+"""mgpu.planning.estimates: token counts, working-memory formulas and weight recasting on full-size layouts."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 
 import ckpt_layouts as L
 from mgpu.errors import SizingError
-from mgpu.estimates import (ACTIVATION_SAFETY, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES, MiB, GiB, Workload,
+from mgpu.planning.estimates import (ACTIVATION_SAFETY, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES, MiB, GiB, Workload,
                             comfyui_memory_required, comfyui_reservation_bytes, comfyui_vae_decode_bytes,
                             dit_activation_bytes, dit_tokens, dit_working_bytes, fsdp_buffer_bytes,
                             nccl_buffer_bytes, text_encoder_activation_bytes, text_encoder_working_bytes,
                             vae_activation_bytes, vae_decode_bytes, weight_bytes)
-from mgpu.sizing import size_component, size_from_bytes
+from mgpu.planning.sizing import size_component, size_from_bytes
 
 P720 = Workload(width=1280, height=720, frames=81)
 

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ShardingError, SizingError
-from mgpu.fsdp import build_meta, compute_dtype_for, find_block_lists, materialize, shard
-from mgpu.slice_load import load_sharded, shard_row_range
+from mgpu.sharding.fsdp import build_meta, compute_dtype_for, find_block_lists, materialize, shard
+from mgpu.sharding.slice_load import load_sharded, shard_row_range
 
 HAVE_COMFY = tm.comfyui_path() is not None
 COMFY_MODELS = ["comfy_wan", "comfy_wan_bf16"]
@@ -358,7 +358,7 @@ def test_many_missing_keys_are_capped(tmp_path):
 
 def test_load_before_materialize_and_bad_files(tmp_path):
     tm.save_checkpoint(tm.reference("mlp"), tmp_path / "mlp.safetensors")
-    with pytest.raises(ShardingError, match="call mgpu.fsdp.materialize"):
+    with pytest.raises(ShardingError, match="call mgpu.sharding.fsdp.materialize"):
         load_sharded(build_meta(tm.tiny_mlp), tmp_path / "mlp.safetensors")
     (tmp_path / "model.ckpt.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}")
     with pytest.raises(SizingError, match="model.ckpt.safetensors"):

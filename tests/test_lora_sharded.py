@@ -1,4 +1,4 @@
-"""LoRA on an FSDP-sharded model (mgpu.lora), over real gloo ranks: each rank patches its own rows, the result equals
+"""LoRA on an FSDP-sharded model (mgpu.weights.lora), over real gloo ranks: each rank patches its own rows, the result equals
 the unsharded model with the whole delta applied, strengths change and patches come off without reloading the base,
 and only the adapter tensors travel."""
 
@@ -15,9 +15,9 @@ from torch import nn
 
 import tiny_models as T
 from mgpu.errors import MgpuError, RankFailure
-from mgpu.lora import APPLY, PatchedModule, PatchSet
-from mgpu.pool import PoolConfig, RankPool
-from mgpu.sharded import OPS, ModelSpec
+from mgpu.weights.lora import APPLY, PatchedModule, PatchSet
+from mgpu.ranks.pool import PoolConfig, RankPool
+from mgpu.sharding.sharded import OPS, ModelSpec
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 RANK = 8

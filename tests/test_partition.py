@@ -1,6 +1,6 @@
 """The partitioner's decisions for Wan 2.1 T2V 14B on the machines users have, and its invariants.
 
-Checkpoints are sparse files in the real key layouts (header only, no weights on disk), sized by mgpu.sizing.
+Checkpoints are sparse files in the real key layouts (header only, no weights on disk), sized by mgpu.planning.sizing.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt_layouts as L
-from mgpu.devices import parse_spec
+from mgpu.planning.devices import parse_spec
 from mgpu.errors import PlanError
 import math
 
-from mgpu.estimates import Workload, dit_working_bytes, fsdp_buffer_bytes
-from mgpu.partition import PHASES, Component, Plan, Policy, keep_gathered, make_plan
-from mgpu.sizing import size_component
+from mgpu.planning.estimates import Workload, dit_working_bytes, fsdp_buffer_bytes
+from mgpu.planning.partition import PHASES, Component, Plan, Policy, keep_gathered, make_plan
+from mgpu.planning.sizing import size_component
 
 GiB = 1 << 30
 HD_81 = Workload(width=1280, height=720, frames=81, batch=1, cfg=True)

@@ -13,11 +13,11 @@ import torch
 import ckpt_layouts as L
 from loaders import placement
 from loaders.placement import Choice, choice_labels, device_choices, resolve
-from mgpu.devices import parse_spec
+from mgpu.planning.devices import parse_spec
 from mgpu.errors import MgpuError
-from mgpu.estimates import Workload
-from mgpu.partition import Component, Plan, Policy, make_plan
-from mgpu.sizing import size_component
+from mgpu.planning.estimates import Workload
+from mgpu.planning.partition import Component, Plan, Policy, make_plan
+from mgpu.planning.sizing import size_component
 
 GiB = 1 << 30
 TWO = parse_spec("2x24GiB,cpu=64GiB")

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
-from mgpu import shm
+from mgpu.ranks import shm
 from mgpu.errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
-from mgpu.pool import CANCEL_GRACE_S, HANDSHAKE_TIMEOUT_S, PoolConfig, RankPool
-from mgpu.rank import register_op
+from mgpu.ranks.pool import CANCEL_GRACE_S, HANDSHAKE_TIMEOUT_S, PoolConfig, RankPool
+from mgpu.ranks.rank import register_op
 
 TESTS = str(Path(__file__).resolve().parent)
 REPO = str(Path(__file__).resolve().parent.parent)
@@ -150,7 +150,7 @@ def test_ranks_are_clean_interpreters_that_outlive_the_starting_thread(pool):
     for r in replies:
         proc = psutil.Process(r.payload["pid"])
         assert proc.ppid() == os.getpid()
-        assert proc.cmdline()[1:3] == ["-m", "mgpu.rank"]
+        assert proc.cmdline()[1:3] == ["-m", "mgpu.ranks.rank"]
     assert pool.alive and pool.world_size == 2
 
 
@@ -320,7 +320,7 @@ def test_rank_dying_while_idle_is_logged_and_the_pool_rebuilt_on_next_use(pool, 
     before, generation = pids(pool), pool.generation
     os.kill(before[0], signal.SIGKILL)
     assert wait_gone(before[:1], 5) and not pool.alive
-    with caplog.at_level("WARNING", logger="mgpu.pool"):
+    with caplog.at_level("WARNING", logger="mgpu.ranks.pool"):
         after = pids(pool)
     assert "rank 0 (cpu" in caplog.text and "SIGKILL" in caplog.text and "while idle" in caplog.text
     assert wait_gone(before, 5) and after != before and pool.generation == generation + 1
@@ -474,7 +474,7 @@ def test_more_ranks_than_gpus_fails_before_starting():
 HOST_SCRIPT = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from mgpu.pool import PoolConfig, RankPool
+from mgpu.ranks.pool import PoolConfig, RankPool
 pool = RankPool(PoolConfig(["cpu"]))
 print(json.dumps([r.payload["pid"] for r in pool.call("ping")]), flush=True)
 time.sleep(120)
@@ -608,7 +608,7 @@ def test_a_stopped_rank_is_named_as_stopped(pool):
 SIGTERM_HOST_SCRIPT = """
 import os, sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
-from mgpu.pool import PoolConfig, RankPool, clean_up_on_sigterm
+from mgpu.ranks.pool import PoolConfig, RankPool, clean_up_on_sigterm
 pool = RankPool(PoolConfig(["cpu", "cpu"], extra_sys_path=[{tests!r}]))
 pids = [r.payload["pid"] for r in pool.call("ping")]
 assert clean_up_on_sigterm()
@@ -642,6 +642,6 @@ def test_stale_directories_of_a_killed_host_are_swept():
         assert wait_gone(rank_pids, 10) and left and pool_dirs(host.pid) == left   # SIGKILL: nothing ran
     finally:
         host.kill()
-    from mgpu.pool import sweep_stale_dirs
+    from mgpu.ranks.pool import sweep_stale_dirs
 
     assert set(left) <= set(sweep_stale_dirs()) and pool_dirs(host.pid) == []

@@ -51,9 +51,10 @@ sys.modules[name] = module
 spec.loader.exec_module(module)
 
 import mgpu
-result = {"mgpu": sorted(m.name for m in pkgutil.iter_modules(mgpu.__path__) if m.name != "__main__")}
-for sub in result["mgpu"]:
-    importlib.import_module("mgpu." + sub)
+result = {"mgpu": sorted(m.name for m in pkgutil.walk_packages(mgpu.__path__, "mgpu.")
+                         if not m.name.endswith("__main__"))}
+for name in result["mgpu"]:
+    importlib.import_module(name)
 
 from mgpu.cli import main
 out = io.StringIO()
@@ -62,7 +63,7 @@ with contextlib.redirect_stdout(out):
 result["plan"] = [p["strategy"] for p in json.loads(out.getvalue())["placements"]]
 
 from mgpu.errors import MgpuError
-from mgpu.pool import PoolConfig, RankPool
+from mgpu.ranks.pool import PoolConfig, RankPool
 try:
     RankPool(PoolConfig(["cuda:0", "cuda:1"])).start()
 except MgpuError as exc:
@@ -87,7 +88,8 @@ def run_as_windows(tmp_path: Path, comfy_root: str | None) -> dict:
 
 
 def check_runtime(result: dict) -> None:
-    assert {"pool", "rank", "shm", "partition", "devices", "sizing", "sharded", "fsdp"} <= set(result["mgpu"])
+    assert {"mgpu.ranks.pool", "mgpu.ranks.rank", "mgpu.ranks.shm", "mgpu.planning.partition", "mgpu.planning.devices",
+            "mgpu.planning.sizing", "mgpu.sharding.sharded", "mgpu.sharding.fsdp", "mgpu.weights.quant"} <= set(result["mgpu"])
     assert result["plan"] == ["single"]
     assert "FSDP on cuda:0, cuda:1) needs Linux, and this ComfyUI runs on Windows" in result["pool"]
     assert "WSL2" in result["pool"] and "load the model on one device" in result["pool"]

@@ -1,4 +1,4 @@
-"""fp8 checkpoints sharded over gloo ranks: all-gathered as their fp8 bytes (``mgpu.quant.Fp8Weight``), computed
+"""fp8 checkpoints sharded over gloo ranks: all-gathered as their fp8 bytes (``mgpu.weights.quant.Fp8Weight``), computed
 exactly like the same model dequantized on one device, at about half the all-gather bytes of bf16."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from mgpu.fsdp import build_meta, materialize, shard
-from mgpu.quant import Fp8Weight, store_as
-from mgpu.slice_load import load_sharded
+from mgpu.sharding.fsdp import build_meta, materialize, shard
+from mgpu.weights.quant import Fp8Weight, store_as
+from mgpu.sharding.slice_load import load_sharded
 
 FP8 = torch.float8_e4m3fn
 RUN_TIMEOUT_S = 180

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tiny_models import comfyui_path
 
-from mgpu.pool import PoolConfig, RankPool
+from mgpu.ranks.pool import PoolConfig, RankPool
 
 pytestmark = pytest.mark.comfyui
 TESTS = str(Path(__file__).resolve().parent)

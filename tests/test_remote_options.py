@@ -12,8 +12,8 @@ import torch
 import tiny_models as T
 from loaders.transformer_options import HOST_ONLY, PER_CHUNK, REFUSED, WHOLE, for_ranks
 from mgpu.errors import MgpuError
-from mgpu.pool import PoolConfig, RankPool
-from mgpu.sharded import ModelSpec, PerChunk, ShardedModule
+from mgpu.ranks.pool import PoolConfig, RankPool
+from mgpu.sharding.sharded import ModelSpec, PerChunk, ShardedModule
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LABEL = "wan.safetensors sharded over 2 ranks (cuda:0, cuda:1)"

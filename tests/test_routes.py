@@ -15,9 +15,9 @@ import ckpt_layouts as L
 from comfy_checkpoints import write_tiny_wan21_t2v, write_wan21_vae
 from comfyui_env import ComfyServer
 from loaders import model_files as mf
-from mgpu.devices import parse_spec
+from mgpu.planning.devices import parse_spec
 from mgpu.errors import PlanError, SizingError
-from mgpu.partition import Plan
+from mgpu.planning.partition import Plan
 
 LISTED = {"diffusion_models": ["wan2.1_t2v_14B_bf16.safetensors", "wan/sub.safetensors"],
           "text_encoders": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors"], "vae": ["wan_2.1_vae.safetensors"]}

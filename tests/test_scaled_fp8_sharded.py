@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ShardingError
-from mgpu.fsdp import build_meta, materialize, shard
-from mgpu.slice_load import load_sharded
+from mgpu.sharding.fsdp import build_meta, materialize, shard
+from mgpu.sharding.slice_load import load_sharded
 
 RUN_TIMEOUT_S = 180
 

@@ -14,9 +14,9 @@ import torch
 
 import tiny_models as T
 from mgpu.errors import CallCancelled, RankFailure
-from mgpu.model_ops import batch_rows
-from mgpu.pool import PoolConfig, RankPool
-from mgpu.sharded import ModelSpec, ShardedModule
+from mgpu.sharding.model_ops import batch_rows
+from mgpu.ranks.pool import PoolConfig, RankPool
+from mgpu.sharding.sharded import ModelSpec, ShardedModule
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,4 +1,4 @@
-"""mgpu.sizing: header reading, validation, family detection and block groups, on real and sparse files."""
+"""mgpu.planning.sizing: header reading, validation, family detection and block groups, on real and sparse files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 import ckpt_layouts as L
 from mgpu.errors import MgpuError, SizingError
-from mgpu.sizing import ComponentSize, read_header, read_headers, size_component
+from mgpu.planning.sizing import ComponentSize, read_header, read_headers, size_component
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_sparse_28gb_wan_sized_from_header_with_little_memory(sparse_dir):
     script = textwrap.dedent(f"""
         import resource, sys, json
         sys.path.insert(0, {str(REPO)!r})
-        from mgpu.sizing import size_component
+        from mgpu.planning.sizing import size_component
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         s = size_component({str(path)!r})
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -98,7 +98,7 @@ def test_sparse_28gb_wan_sized_from_header_with_little_memory(sparse_dir):
     assert out["total"] == L.layout_bytes(layout)
     assert 28.5e9 < out["total"] < 28.7e9
     assert out["grew_kib"] * 1024 < 64 * 2**20, "sizing must read the header, not the data"
-    assert out["torch"] is False, "mgpu.sizing must stay importable without torch"
+    assert out["torch"] is False, "mgpu.planning.sizing must stay importable without torch"
 
 
 def test_sizing_never_maps_the_file(sparse_dir, monkeypatch):

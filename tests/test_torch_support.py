@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mgpu.errors import MgpuError
-from mgpu.pool import PoolConfig, RankPool
-from mgpu.sharded import ModelSpec, ShardedModule
+from mgpu.ranks.pool import PoolConfig, RankPool
+from mgpu.sharding.sharded import ModelSpec, ShardedModule
 from mgpu.torch_support import MIN_TORCH, require_fsdp_torch, torch_version
 
 

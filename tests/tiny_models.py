@@ -1,6 +1,6 @@
 """Small instances of real model code for the sharding tests, and their checkpoints.
 
-Factories build uninitialised models (they also run under ``mgpu.fsdp.build_meta``); ``seeded_init`` gives them
+Factories build uninitialised models (they also run under ``mgpu.sharding.fsdp.build_meta``); ``seeded_init`` gives them
 deterministic weights independent of constructors and the global RNG, so ranks and the reference agree.
 """
 

@@ -1,4 +1,4 @@
-"""Rank worker: one process per device, started by ``mgpu.pool`` as ``python -m mgpu.rank``.
+"""Rank worker: one process per device, started by ``mgpu.ranks.pool`` as ``python -m mgpu.ranks.rank``.
 
 It joins the process group, then serves calls from the host over an authenticated channel until told to stop or the
 host goes away. Ops are plain functions ``fn(ctx, payload, tensors) -> (payload, tensors)``, either registered here
@@ -8,7 +8,7 @@ and the rank keeps serving; whether the pool survives is the host's decision.
 
 The wire format (``dumps``/``recv``) lives here because both sides speak it: pickled plain-data messages, which is
 safe only because the channel is authenticated with a per-pool random key; tensors are refused in messages and go
-through ``mgpu.shm`` instead.
+through ``mgpu.ranks.shm`` instead.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    # `-m mgpu.rank` runs this file as __main__; alias it so `from mgpu.rank import register_op` in op modules
+    # `-m mgpu.ranks.rank` runs this file as __main__; alias it so `from mgpu.ranks.rank import register_op` in op modules
     # registers into the registry this process actually dispatches from, not a second copy of the module.
-    sys.modules.setdefault("mgpu.rank", sys.modules[__name__])
+    sys.modules.setdefault("mgpu.ranks.rank", sys.modules[__name__])
 
 import argparse
 import ctypes
@@ -247,7 +247,7 @@ def _serve_call(ctx: RankContext, msg: dict, inputs: Mapper, outputs: SegmentPoo
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mgpu.rank", description="comfy-mgpu rank worker (started by the pool)")
+    p = argparse.ArgumentParser(prog="python -m mgpu.ranks.rank", description="comfy-mgpu rank worker (started by the pool)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--device", required=True)

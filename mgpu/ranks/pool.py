@@ -1,6 +1,6 @@
 """Host side of the rank pool: one persistent worker process per device, driven by plain-data calls.
 
-Ranks are clean interpreters (``python -m mgpu.rank``) with the folder that contains ``mgpu`` on PYTHONPATH, not
+Ranks are clean interpreters (``python -m mgpu.ranks.rank``) with the folder that contains ``mgpu`` on PYTHONPATH, not
 ``torch.multiprocessing`` spawn children: inside ComfyUI a spawn child re-runs ComfyUI's ``main.py`` as
 ``__mp_main__``, and ComfyUI imports a pack under its file path as module name, so nothing defined in the pack can be
 unpickled in the child (both measured with ComfyUI 0.3.64). A clean interpreter works whatever folder name the pack
@@ -13,13 +13,13 @@ Nothing listens on the network. The ranks meet through a ``torch.distributed.Fil
 directory, and gloo / NCCL are pinned to the loopback interface. The host never joins a collective. It talks to each
 rank over its own channel (an AF_UNIX socket in that directory; loopback TCP when the path is too long for AF_UNIX),
 authenticated with a per-pool key that reaches the ranks on stdin; a connection that fails the challenge or stays
-silent for ``HANDSHAKE_TIMEOUT_S`` is dropped. Tensors travel through ``mgpu.shm``. Every wait polls
+silent for ``HANDSHAKE_TIMEOUT_S`` is dropped. Tensors travel through ``mgpu.ranks.shm``. Every wait polls
 the rank processes, so a dead rank is reported as soon as it dies rather than at the timeout. Any failure that may
 leave ranks inconsistent (a death, a timeout, some ranks failing while others did not) tears the whole pool down,
 since the survivors are likely stuck in a collective; the next call starts a fresh pool and bumps ``generation`` so
 callers know to reload their models. When every rank raised, nothing is stuck and the pool is kept.
 
-Protocol (pickled dicts, ``mgpu.rank.dumps``): rank -> host ``hello {rank, pid}`` on connecting, then ``ready`` or
+Protocol (pickled dicts, ``mgpu.ranks.rank.dumps``): rank -> host ``hello {rank, pid}`` on connecting, then ``ready`` or
 ``error`` once the process group is up; host -> rank ``call {op, payload, inputs: Packet | None, released: {rank:
 [segment]}, dropped: [segment]}`` answered by ``ok {payload, outputs: Packet | None, dropped}`` or ``error {error,
 traceback, dropped}``; ``shutdown`` ends a rank. One call is in flight at a time.
@@ -53,7 +53,7 @@ import psutil
 import torch
 
 from . import shm
-from .errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
+from ..errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
 from .rank import dumps, recv
 
 log = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ class RankPool:
         env = self._rank_env()
         for rank, device in enumerate(cfg.devices):
             log_path = os.path.join(work_dir, f"rank{rank}.log")
-            argv = [sys.executable, "-m", "mgpu.rank", "--rank", str(rank), "--world-size", str(self.world_size),
+            argv = [sys.executable, "-m", "mgpu.ranks.rank", "--rank", str(rank), "--world-size", str(self.world_size),
                     "--device", device, "--backend", backend, "--mesh-device-type", mesh_device_type,
                     "--store-file", os.path.join(work_dir, "store"), "--cancel-file", cancel_file,
                     "--channel", channel, "--host-pid", str(os.getpid()),
@@ -382,7 +382,7 @@ class RankPool:
 
     def _rank_env(self) -> dict[str, str]:
         cfg = self.config
-        package_parent = str(Path(__file__).resolve().parent.parent)   # the folder that contains mgpu/
+        package_parent = str(Path(__file__).resolve().parents[2])   # the folder that contains mgpu/
         env = {**os.environ, **cfg.env}
         # extra paths first: the pack root beside mgpu/ holds a `nodes` package that would shadow ComfyUI's nodes.py
         paths = [*cfg.extra_sys_path, package_parent, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]

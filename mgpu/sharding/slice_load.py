@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mgpu.errors import ShardingError
-from mgpu.sizing import TensorInfo, read_headers
+from mgpu.planning.sizing import TensorInfo, read_headers
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "C64": torch.complex64,
@@ -103,14 +103,14 @@ def _local_rows(name: str, t: torch.Tensor) -> tuple[int, int] | None:
         return None
     if len(sharded) > 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
         raise ShardingError(f"Parameter {name} has placements {t.placements}; slice loading supports FSDP's "
-                            f"Shard(0) (plus Replicate) only. Shard with mgpu.fsdp.shard.")
+                            f"Shard(0) (plus Replicate) only. Shard with mgpu.sharding.fsdp.shard.")
     mesh_dim = sharded[0][0]
     start, stop = shard_row_range(t.shape[0], t.device_mesh.size(mesh_dim), t.device_mesh.get_coordinate()[mesh_dim])
     expected = (stop - start, *t.shape[1:])
     if tuple(t.to_local().shape) != expected:
         raise ShardingError(f"Parameter {name}: local shard {tuple(t.to_local().shape)} is not the torch.chunk "
                             f"slice {expected} this loader expects; FSDP's layout changed in torch "
-                            f"{torch.__version__}. Update mgpu.slice_load.shard_row_range.")
+                            f"{torch.__version__}. Update mgpu.sharding.slice_load.shard_row_range.")
     return start, stop
 
 
@@ -147,7 +147,7 @@ def _check(model: nn.Module, path: str, prefix: str, targets: dict[str, torch.Te
     meta = [n for n, t in targets.items() if t.is_meta]
     if meta:
         raise ShardingError(f"{type(model).__name__} still has meta tensors {_listing(meta)}; call "
-                            f"mgpu.fsdp.materialize before loading {path}.")
+                            f"mgpu.sharding.fsdp.materialize before loading {path}.")
 
 
 def load_sharded(model: nn.Module, path: str | os.PathLike, *, key_map: Callable[[str], str] | None = None,
@@ -158,7 +158,7 @@ def load_sharded(model: nn.Module, path: str | os.PathLike, *, key_map: Callable
     ``prefix=None`` detects it (``""``, ``model.diffusion_model.``, ...). Unexpected keys count under that prefix
     only, so one component of a combined checkpoint loads by its prefix; the model's ``FORMAT_KEYS`` are none.
     Missing keys, shape mismatches and (with ``strict``) unexpected keys raise ``ShardingError`` before any read.
-    Call after ``mgpu.fsdp.materialize``; unsharded models load too (every tensor then reads whole).
+    Call after ``mgpu.sharding.fsdp.materialize``; unsharded models load too (every tensor then reads whole).
     """
     began = time.perf_counter()
     path = os.fspath(path)

@@ -20,10 +20,10 @@ import torch
 import xxhash
 
 from mgpu.errors import CallCancelled, RankFailure
-from mgpu.pool import RankPool
+from mgpu.ranks.pool import RankPool
 from mgpu.torch_support import require_fsdp_torch
 
-OPS = "mgpu.model_ops:"
+OPS = "mgpu.sharding.model_ops:"
 LOAD_TIMEOUT_S = 1800.0   # 15 GB per rank at ~10 MB/s (a network drive) still loads
 _handles = itertools.count()
 

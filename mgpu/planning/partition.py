@@ -1,6 +1,6 @@
 """The VRAM-aware partitioner: where each component lives and whether the DiT must be sharded.
 
-Memory model (every number is an estimate from `mgpu.estimates`, and the plan says which):
+Memory model (every number is an estimate from `mgpu.planning.estimates`, and the plan says which):
 
 * A run has three phases: ``encode`` (text encoder), ``sample`` (DiT), ``decode`` (VAE). A device's peak is the
   largest, over the phases, of the weights resident in that phase plus the working memory of what runs there.
@@ -12,7 +12,7 @@ Memory model (every number is an estimate from `mgpu.estimates`, and the plan sa
   every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank.
 * A device's budget is its free memory minus ``Policy.reserve_bytes`` (other processes, allocator growth); the
   host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a budget.
-* Working memory follows the budget rule of ``mgpu.estimates``: where ComfyUI runs a component (single-device DiT,
+* Working memory follows the budget rule of ``mgpu.planning.estimates``: where ComfyUI runs a component (single-device DiT,
   text encoder, untiled VAE decode) the larger of our calibrated estimate and ComfyUI's own reservation, since
   ComfyUI otherwise loads the weights only partly; on FSDP ranks our estimate plus FSDP2's all-gather buffers and
   NCCL's buffers (``fsdp_buffer_bytes``), since there ComfyUI reserves nothing.
@@ -24,9 +24,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from mgpu.devices import Device, format_bytes
+from mgpu.planning.devices import Device, format_bytes
 from mgpu.errors import PlanError
-from mgpu.estimates import (
+from mgpu.planning.estimates import (
     GiB,
     Workload,
     dit_working_bytes,
@@ -36,7 +36,7 @@ from mgpu.estimates import (
     weight_bytes,
     weight_itemsize,
 )
-from mgpu.sizing import ComponentSize
+from mgpu.planning.sizing import ComponentSize
 
 ROLES = ("text_encoder", "dit", "vae")
 PHASES = ("encode", "sample", "decode")

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from mgpu.errors import SizingError
-from mgpu.sizing import ComponentSize
+from mgpu.planning.sizing import ComponentSize
 
 MiB = 1024**2
 GiB = 1024**3

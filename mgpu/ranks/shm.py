@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .errors import MgpuError
+from ..errors import MgpuError
 
 try:
     import fcntl

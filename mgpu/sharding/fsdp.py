@@ -2,7 +2,7 @@
 functions here apply the parallelism to it in place.
 
 Flow on every rank: ``build_meta`` (no weight memory) -> ``shard`` (each block, then the root, becomes an FSDP2
-unit) -> ``materialize`` (allocates only this rank's shards) -> ``mgpu.slice_load.load_sharded`` (reads only them).
+unit) -> ``materialize`` (allocates only this rank's shards) -> ``mgpu.sharding.slice_load.load_sharded`` (reads only them).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mgpu.errors import ShardingError
-from mgpu.quant import FP8_DTYPES, wrap_fp8_parameters
+from mgpu.weights.quant import FP8_DTYPES, wrap_fp8_parameters
 
 # A block list must hold at least this share of the model's parameters to be sharded automatically: small
 # ModuleLists (norms, per-block projections) are not worth an FSDP unit of their own.
@@ -86,7 +86,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate the (sharded) parameters on ``device`` and restore the real buffers that ``to_empty`` wipes.
 
     Without the restore the rotary tables of e.g. diffusers' Wan are uninitialised memory and the output is NaN.
-    Parameters are left uninitialised: load them next (``mgpu.slice_load.load_sharded``).
+    Parameters are left uninitialised: load them next (``mgpu.sharding.slice_load.load_sharded``).
     """
     saved = [(mod, key, buf) for mod in model.modules() for key, buf in mod._buffers.items() if buf is not None]
     lost = [f"{type(mod).__name__}.{key}" for mod, key, buf in saved
@@ -94,7 +94,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     if lost:
         raise ShardingError(
             f"{type(model).__name__} has non-persistent buffers on meta ({lost[:10]}); they are in no checkpoint "
-            f"and cannot be recovered. Build the model with mgpu.fsdp.build_meta, which keeps buffers real.")
+            f"and cannot be recovered. Build the model with mgpu.sharding.fsdp.build_meta, which keeps buffers real.")
     model.to_empty(device=device)
     for mod, key, buf in saved:
         if not buf.is_meta:
@@ -149,7 +149,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = 
     the single-device model with its weights in ``param_dtype`` (casting would round e.g. timesteps to bf16).
     The parameters are frozen: this is inference, and FSDP lets a unit of frozen parameters mix dtypes (ComfyUI
     keeps Wan's patch embedding in fp32 beside bf16 weights). fp8 parameters travel as their fp8 bytes whatever
-    ``param_dtype`` (``mgpu.quant.Fp8Weight``): they reach the block upcast to ``param_dtype``, or as fp8 without one.
+    ``param_dtype`` (``mgpu.weights.quant.Fp8Weight``): they reach the block upcast to ``param_dtype``, or as fp8 without one.
     Scalar parameters (per-layer scales) are replicated, not sharded (``replicate_scalars``).
     """
     model.requires_grad_(False)

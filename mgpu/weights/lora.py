@@ -1,7 +1,7 @@
 """Weight patches (LoRA and friends) on an FSDP-sharded model: each rank patches only its own rows.
 
 Host side: ``PatchedModule`` (a ShardedModule) sends a ``PatchSet`` when it changes, before the next forward.
-Rank side: ``apply`` (the op ``"mgpu.lora:apply"``).
+Rank side: ``apply`` (the op ``"mgpu.weights.lora:apply"``).
 
 The host sends the adapter tensors (LoRA up/down, small diffs), never the model: bytes sent are about the LoRA
 file. FSDP2 shards every parameter by dim-0 rows, and row ``i`` of ``up @ down`` is ``up[i] @ down``, so each rank
@@ -35,15 +35,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mgpu.errors import ShardingError
-from mgpu.rank import RankContext, Tensors
-from mgpu.sharded import ShardedModule
-from mgpu.slice_load import shard_row_range
+from mgpu.ranks.rank import RankContext, Tensors
+from mgpu.sharding.sharded import ShardedModule
+from mgpu.sharding.slice_load import shard_row_range
 
 BACKUP = "weight_patch_backup"   # in the model's ctx.objects entry: parameter name -> its original local rows (CPU)
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KINDS = ("lora", "diff", "set")
 Ops = list[dict[str, Any]]
-APPLY = "mgpu.lora:apply"
+APPLY = "mgpu.weights.lora:apply"
 BASE = "base"   # the key of the empty patch set: the weights as loaded
 log = logging.getLogger("mgpu")
 

@@ -1,5 +1,5 @@
 """Rank-side ops for a sharded model: load it from a checkpoint slice by slice, run a forward on this rank's share
-of the batch, report what it holds. ``mgpu.sharded`` calls them by path (``"mgpu.model_ops:load"``).
+of the batch, report what it holds. ``mgpu.sharding.sharded`` calls them by path (``"mgpu.sharding.model_ops:load"``).
 
 Forward inputs arrive as *references* so the host sends each tensor once: ``{"t": name}`` is a tensor of this call,
 ``{"c": digest}`` a tensor cached on the ranks by content hash (text context: same for every step), ``{"v": value}``
@@ -19,10 +19,10 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule
 
-from mgpu.fsdp import build_meta, compute_dtype_for, materialize, shard
-from mgpu.quant import FP8_DTYPES
-from mgpu.rank import RankContext, Tensors, import_path
-from mgpu.slice_load import load_sharded
+from mgpu.sharding.fsdp import build_meta, compute_dtype_for, materialize, shard
+from mgpu.weights.quant import FP8_DTYPES
+from mgpu.ranks.rank import RankContext, Tensors, import_path
+from mgpu.sharding.slice_load import load_sharded
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 
@@ -50,7 +50,7 @@ def _gathered_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> int:
     """
     total = 0
     for p in model.parameters():
-        gathered = p.dtype if p.dtype in FP8_DTYPES else param_dtype or p.dtype   # mgpu.quant.Fp8Weight
+        gathered = p.dtype if p.dtype in FP8_DTYPES else param_dtype or p.dtype   # mgpu.weights.quant.Fp8Weight
         itemsize = torch.empty((), dtype=gathered).element_size()
         total += p.numel() * itemsize
     return total
