@@ -448,6 +448,8 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mgpu-gpu-check-report-") as tmp:
         report_file = Path(tmp) / "report.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", "--report-file", str(report_file)]
+        if args.tmpdir is None:   # the child's files live in ours, so a child killed at the deadline leaves none
+            cmd += ["--tmpdir", tmp]
         began = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=sys.stderr, start_new_session=True)
         watchdog = {"deadline_s": args.deadline, "killed": False}

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +53,12 @@ def test_gpu_check_dry_run_runs_every_section_on_cpu():
 
 
 @pytest.mark.timeout(300)
+def _work_dirs() -> set[str]:
+    return {str(p) for p in Path(tempfile.gettempdir()).glob("mgpu-gpu-check-*")}
+
+
 def test_gpu_check_watchdog_ends_a_hung_run_and_its_ranks():
+    before = _work_dirs()
     began = time.monotonic()
     rc, report, err = run_script(str(BENCH / "gpu_check.py"), "--dry-run", "--deadline", "5", "--simulate-hang",
                                  timeout=200)
@@ -64,6 +70,7 @@ def test_gpu_check_watchdog_ends_a_hung_run_and_its_ranks():
     assert took < 5 + 20 + 30                       # deadline + grace + the kill and slow start-up on shared cores
     for pid in [report["pid"], *report["rank_pids"]]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+    assert _work_dirs() == before, "the killed run left its temporary files"
 
 
 @pytest.fixture(scope="module")
