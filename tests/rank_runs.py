@@ -3,8 +3,9 @@ group from a file store in the test's folder), and fail, not hang, when they tak
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -23,3 +24,18 @@ def run_ranks(fn: Callable, world: int, args: tuple, preload: list[str], timeout
         for proc in ctx.processes:
             if proc.is_alive():
                 proc.terminate()
+
+
+@contextlib.contextmanager
+def gloo_mesh(rank: int, world: int, workdir: str) -> Iterator:
+    """Inside a rank process: one thread, a gloo group over a file store in ``workdir``, a 1-D cpu mesh."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import tiny_models as tm
-from rank_runs import run_ranks
+from rank_runs import gloo_mesh, run_ranks
 import torch
 import torch.distributed as dist
 from comfyui_env import SKIP_REASON
@@ -63,10 +63,7 @@ def _resident_bytes(model: nn.Module) -> int:
 
 @torch.no_grad()
 def _rank_main(rank: int, world: int, workdir: str, models: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_mesh(rank, world, workdir) as mesh:
         tensors: dict[str, torch.Tensor] = {}
         numbers: dict[str, object] = {}
         for name in models:
@@ -95,8 +92,6 @@ def _rank_main(rank: int, world: int, workdir: str, models: list[str]) -> None:
             tensors[f"{FROM_BF16}/local/{key}"] = p.to_local().clone()
         save_file({k: v.contiguous() for k, v in tensors.items()}, f"{workdir}/rank{rank}.safetensors")
         Path(f"{workdir}/rank{rank}.json").write_text(json.dumps(numbers))
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------- test side

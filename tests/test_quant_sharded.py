@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import tiny_models as tm
-from rank_runs import run_ranks
+from rank_runs import gloo_mesh, run_ranks
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from mgpu.sharding.fsdp import build_meta, materialize, shard
 from mgpu.weights.quant import Fp8Weight, store_as
@@ -112,10 +111,7 @@ def _sharded(factory, mesh, ckpt: str, param_dtype: torch.dtype | None) -> nn.Mo
 
 @torch.no_grad()
 def _rank_main(rank: int, world: int, workdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_mesh(rank, world, workdir) as mesh:
         out: dict[str, torch.Tensor] = {}
         numbers: dict[str, object] = {}
         x = tm.mlp_inputs(2)["x"]
@@ -133,8 +129,6 @@ def _rank_main(rank: int, world: int, workdir: str) -> None:
             numbers[f"gathered_{name}"] = counter["bytes"]
         save_file({k: v.contiguous() for k, v in out.items()}, f"{workdir}/rank{rank}.safetensors")
         Path(f"{workdir}/rank{rank}.json").write_text(json.dumps(numbers))
-    finally:
-        dist.destroy_process_group()
 
 
 class Run:

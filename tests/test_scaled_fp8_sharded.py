@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import tiny_models as tm
-from rank_runs import run_ranks
+from rank_runs import gloo_mesh, run_ranks
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from scaled_fp8_files import FP8, scaled_fp8_state, write_scaled_fp8
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from mgpu.errors import ShardingError
@@ -70,10 +68,8 @@ def reference(state: dict[str, torch.Tensor]) -> nn.Module:
 
 @torch.no_grad()
 def _rank_main(rank: int, world: int, workdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
-    try:
-        model = shard(build_meta(ScaledStack), init_device_mesh("cpu", (world,)))
+    with gloo_mesh(rank, world, workdir) as mesh:
+        model = shard(build_meta(ScaledStack), mesh)
         materialize(model, "cpu")
         load_sharded(model, f"{workdir}/scaled.safetensors")
         out = {"y": model.eval()(tm.mlp_inputs(2)["x"])}
@@ -82,8 +78,6 @@ def _rank_main(rank: int, world: int, workdir: str) -> None:
             out[f"weight_is_dtensor{i}"] = torch.tensor(isinstance(block.weight, DTensor))
             out[f"scale_is_dtensor{i}"] = torch.tensor(isinstance(block.scale_weight, DTensor))
         save_file(out, f"{workdir}/rank{rank}.safetensors")
-    finally:
-        dist.destroy_process_group()
 
 
 def rank_outputs(world: int, workdir: Path) -> list[dict[str, torch.Tensor]]:
