@@ -219,7 +219,7 @@ def inventory(spec: str | None = None, include_cpu: bool = True) -> list[Device]
         except DeviceSpecError as exc:
             raise DeviceSpecError(f"environment variable MGPU_DEVICES: {exc}") from None
     else:
-        devices = _live_gpus()
+        devices = live_gpus()
     if not include_cpu:
         return gpus(devices)
     return devices if host(devices) else devices + [_host()]
@@ -289,8 +289,8 @@ def _host() -> Device:
 
 # --- live GPUs ----------------------------------------------------------------------------------------------------
 
-def _live_gpus() -> list[Device]:
-    """NVML first (topology, PCIe, no CUDA context), torch.cuda when NVML is missing; [] when neither works."""
+def live_gpus() -> list[Device]:
+    """This machine's GPUs (never a simulated spec): NVML first (topology, PCIe, no CUDA context), torch.cuda when NVML is missing; [] when neither works."""
     try:
         import pynvml
 

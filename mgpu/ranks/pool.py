@@ -52,8 +52,9 @@ from queue import SimpleQueue
 import psutil
 import torch
 
-from . import shm
+from . import p2p, shm
 from ..errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
+from ..planning.devices import live_gpus
 from .rank import dumps, recv
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ class RankPool:
             self._cancel_flag = mmap.mmap(f.fileno(), 8)
         channel = self._listen(work_dir)
         authkey = secrets.token_bytes(32)
-        env = self._rank_env()
+        env = self._rank_env(backend)
         for rank, device in enumerate(cfg.devices):
             log_path = os.path.join(work_dir, f"rank{rank}.log")
             argv = [sys.executable, "-m", "mgpu.ranks.rank", "--rank", str(rank), "--world-size", str(self.world_size),
@@ -380,7 +381,7 @@ class RankPool:
         self._listener = sock
         return address
 
-    def _rank_env(self) -> dict[str, str]:
+    def _rank_env(self, backend: str) -> dict[str, str]:
         cfg = self.config
         package_parent = str(Path(__file__).resolve().parents[2])   # the folder that contains mgpu/
         env = {**os.environ, **cfg.env}
@@ -398,6 +399,11 @@ class RankPool:
         if interface:   # over the host's own setting too (meant for other jobs): ranks never talk off this machine
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 env[var] = cfg.env.get(var, interface)
+        if backend == "nccl":
+            decision = p2p.decide(live_gpus(), cfg.devices, env)
+            if decision.reason:
+                log.warning(decision.reason)
+            env.update(decision.env)
         return env
 
     def _accept(self, authkey: bytes, deadline: float) -> None:
