@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", default="512MiB", metavar="BYTES", help="memory kept free on every GPU (default 512MiB)")
     p.add_argument("--offload", action="store_true", help="allow CPU offload of the DiT weights (slow)")
     p.add_argument("--speed", action="store_true", help="shard over all GPUs even when fewer would fit")
+    p.add_argument("--no-sp", dest="sequence_parallel", action="store_false",
+                   help="no sequence parallelism: split only the batch (CFG) rows over the ranks")
     p.add_argument("--keep-text-encoder", action="store_true",
                    help="keep the text encoder loaded while sampling (default: freed before sampling)")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
@@ -93,7 +95,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         weight_bytes(c.size, c.weight_dtype)
     devices = inventory(args.devices)
     workload = Workload(width=args.width, height=args.height, frames=args.frames, batch=args.batch, cfg=args.cfg)
-    policy = Policy(reserve_bytes=parse_bytes(args.reserve), allow_offload=args.offload, prefer_speed=args.speed,
+    policy = Policy(reserve_bytes=parse_bytes(args.reserve), allow_offload=args.offload, prefer_speed=args.speed, sequence_parallel=args.sequence_parallel,
                     free_text_encoder_before_sampling=not args.keep_text_encoder)
     for c in components:
         for w in c.size.warnings:

@@ -185,14 +185,16 @@ def comfyui_reservation_bytes(memory_required: int) -> int:
 
 
 def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = None, act_bytes: int = 2,
-                      attention: str = "sdpa", comfyui: bool = True) -> int:
+                      attention: str = "sdpa", comfyui: bool = True, sp: int = 1) -> int:
     """Working memory of the DiT over ``batch`` (default: the workload's CFG batch), by the budget rule.
 
     ``comfyui``: ComfyUI runs it (single device), so its reservation for that batch must fit too (families ComfyUI's
-    rule is known for); False on FSDP ranks, whose buffers ``fsdp_buffer_bytes`` adds.
+    rule is known for); False on FSDP ranks, whose buffers ``fsdp_buffer_bytes`` adds. ``sp``: the sequence-parallel
+    degree; each rank holds 1/sp of the tokens (in attention all tokens of 1/sp of the heads: the same bytes).
     """
     b = wl.dit_batch if batch is None else batch
-    ours = math.ceil(ACTIVATION_SAFETY * dit_activation_bytes(size, dit_tokens(size, wl), b, act_bytes=act_bytes,
+    tokens = math.ceil(dit_tokens(size, wl) / sp)
+    ours = math.ceil(ACTIVATION_SAFETY * dit_activation_bytes(size, tokens, b, act_bytes=act_bytes,
                                                               attention=attention))
     if comfyui and comfyui_memory_usage_factor(size) is not None:
         ours = max(ours, comfyui_reservation_bytes(comfyui_memory_required(size, wl, b, act_bytes)))

@@ -29,6 +29,7 @@ from mgpu.errors import PlanError
 from mgpu.planning.estimates import (
     GiB,
     Workload,
+    dit_tokens,
     dit_working_bytes,
     fsdp_buffer_bytes,
     text_encoder_working_bytes,
@@ -36,6 +37,7 @@ from mgpu.planning.estimates import (
     weight_bytes,
     weight_itemsize,
 )
+from mgpu.planning import parallel
 from mgpu.planning.sizing import ComponentSize
 
 ROLES = ("text_encoder", "dit", "vae")
@@ -60,6 +62,7 @@ class Policy:
     allow_offload: bool = False
     prefer_speed: bool = False
     text_encoder_tokens: int = 512
+    sequence_parallel: bool = True   # split each video's tokens over the ranks where the family has an adapter
     # Gathered blocks an FSDP rank holds at once: the one computing plus the one prefetched.
     gathered_blocks: int = 2
 
@@ -79,6 +82,8 @@ class Placement:
     working_bytes: dict[str, int]  # transient memory per device while this component runs
     tiled: bool = False  # VAE only: decode in tiles
     batch_per_rank: int | None = None  # FSDP only: DiT batch each rank computes (CFG split)
+    cfg_degree: int = 1  # FSDP only: rank groups splitting the batch rows (mgpu.planning.parallel)
+    sp_degree: int = 1  # FSDP only: ranks splitting each video's tokens (Ulysses)
     reshard_after_forward: bool = True  # FSDP only: False keeps the gathered weights between steps
     reasons: list[str] = field(default_factory=list)
 
@@ -211,22 +216,28 @@ def _largest_block(size: ComponentSize, wbytes: int) -> int:
     return int(max(max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block) * scale)
 
 
-def _fsdp_need(comp: Component, wbytes: int, wl: Workload, ranks: int, policy: Policy) -> tuple[int, int, int]:
-    """(resident per rank, working per rank, batch per rank) for a DiT sharded over `ranks` ranks.
+def _degrees(comp: Component, wl: Workload, ranks: int, policy: Policy) -> parallel.Degrees:
+    return parallel.choose(ranks, wl.dit_batch, comp.size.dims.get("heads"), comp.size.family,
+                           policy.sequence_parallel)
+
+
+def _fsdp_need(comp: Component, wbytes: int, wl: Workload, degrees: parallel.Degrees,
+               policy: Policy) -> tuple[int, int, int]:
+    """(resident per rank, working per rank, batch per rank) for a DiT sharded over ``degrees.ranks`` ranks.
 
     Resident: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root
-    FSDP unit keeps gathered for the whole forward. Working: the activations of this rank's slice of the
-    CFG/batch split (no ComfyUI reservation: ComfyUI cannot see the ranks), plus FSDP2's all-gather buffers in the
-    storage dtype (NCCL gathers fp8 as fp8) and NCCL's buffers.
+    FSDP unit keeps gathered for the whole forward. Working: the activations of this rank's rows (CFG/batch split)
+    and tokens (sequence split), with no ComfyUI reservation (ComfyUI cannot see the ranks), plus FSDP2's
+    all-gather buffers in the storage dtype (NCCL gathers fp8 as fp8) and NCCL's buffers.
     """
-    size = comp.size
-    batch = math.ceil(wl.dit_batch / ranks)
+    size, ranks = comp.size, degrees.ranks
+    batch = math.ceil(wl.dit_batch / degrees.cfg)
     scale = wbytes / size.total_bytes if size.total_bytes else 1.0
     outside = int(size.bytes_outside_blocks * scale)
     resident = math.ceil(wbytes / ranks) + outside
     buffers = fsdp_buffer_bytes(size, ranks, gather_itemsize=weight_itemsize(size, comp.weight_dtype),
                                 gathered_blocks=policy.gathered_blocks)
-    working = dit_working_bytes(size, wl, batch=batch, comfyui=False) + buffers
+    working = dit_working_bytes(size, wl, batch=batch, comfyui=False, sp=degrees.sp) + buffers
     return resident, working, batch
 
 
@@ -239,7 +250,7 @@ def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Po
     whole group's need is held against that one budget."""
     policy = policy or Policy()
     wbytes = weight_bytes(comp.size, comp.weight_dtype)
-    resident, working, _ = _fsdp_need(comp, wbytes, wl, len(ranks), policy)
+    resident, working, _ = _fsdp_need(comp, wbytes, wl, _degrees(comp, wl, len(ranks), policy), policy)
     per_rank = resident + wbytes + working
     budgets: dict[str, tuple[int, int]] = {}   # device -> (need, budget)
     for d in ranks:
@@ -265,7 +276,8 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
     by_budget = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index))
 
     def fsdp(group: list[Device], why: str) -> Placement | None:
-        resident, working, batch = _fsdp_need(comp, wbytes, wl, len(group), policy)
+        degrees = _degrees(comp, wl, len(group), policy)
+        resident, working, batch = _fsdp_need(comp, wbytes, wl, degrees, policy)
         work = {d.id: working for d in group}
         # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
         # the full weights on every rank, so it is chosen only when that fits too.
@@ -276,24 +288,28 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
         need = _need("dit", "fsdp", policy, res, work)
         if not ledger.fits(need):
             attempts.append(f"DiT sharded over {len(group)} GPUs needs {format_bytes(resident + working)} per rank "
-                            f"({format_bytes(resident)} shard + {format_bytes(working)} working, batch {batch} per rank); "
-                            f"smallest budget is {format_bytes(min(ledger.free(d.id) for d in group))}")
+                            f"({format_bytes(resident)} shard + {format_bytes(working)} working, batch {batch} per rank"
+                            + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
+                            + f"); smallest budget is {format_bytes(min(ledger.free(d.id) for d in group))}")
             return None
         ledger.commit(need, "DiT shard")
+        if size.dims.get("hidden") and size.dims.get("layers"):
+            parallel.estimate(degrees, group, params=size.params, weight_bytes=wbytes, tokens=dit_tokens(size, wl),
+                              rows=wl.dit_batch, hidden=size.dims["hidden"], layers=size.dims["layers"],
+                              resharding=reshard)
         reasons = [why, f"each rank holds 1/{len(group)} of the weights ({format_bytes(math.ceil(wbytes / len(group)))}) "
                         f"plus {policy.gathered_blocks} gathered blocks, an all-gather buffer and NCCL's buffers "
                         "while computing",
-                   f"CFG/batch split: each rank computes {batch} of the {wl.dit_batch} DiT batch items per step"]
+                   f"split of each step: {degrees.cfg} (CFG/batch) x {degrees.sp} (sequence) over {len(group)} ranks",
+                   *degrees.reasons, *(f"warning: {w}" for w in degrees.warnings)]
         if len({d.free_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
-        if len(group) > wl.dit_batch:
-            reasons.append(f"{len(group) - wl.dit_batch} of the {len(group)} ranks have no batch item to compute: "
-                           "they hold a share of the weights, but add no speed until sequence parallelism")
         if not reshard:
             reasons.append("memory allows keeping the gathered weights between steps: no all-gather after the "
                            "first step")
         return Placement(**base, strategy="fsdp", devices=[d.id for d in group], resident_bytes=res,
-                         working_bytes=work, batch_per_rank=batch, reshard_after_forward=reshard, reasons=reasons)
+                         working_bytes=work, batch_per_rank=batch, cfg_degree=degrees.cfg, sp_degree=degrees.sp,
+                         reshard_after_forward=reshard, reasons=reasons)
 
     if policy.prefer_speed and len(gpus) >= 2:
         group = sorted(gpus, key=lambda d: d.index)

@@ -1,0 +1,145 @@
+"""How an FSDP group of N ranks shares one sampling step: CFG/batch degree x sequence-parallel (Ulysses) degree.
+
+FSDP makes a model fit; only the work split makes a step faster. The ranks form a ``cfg x sp`` mesh with
+``cfg * sp == N``: ``cfg`` splits the batch rows (cond / uncond, videos of a batch), ``sp`` splits each video's
+tokens (Ulysses: two all-to-alls around every self-attention, heads divided over the ``sp`` ranks). The choice:
+
+1. ``cfg``: the largest divisor of N that divides the batch rows (a CFG batch of 2 on 4 ranks: 2); splitting rows
+   costs no communication at all, so it goes first.
+2. ``sp``: the rest, N / cfg, if the family has a sequence-parallel adapter and its heads divide by it.
+3. No such mesh: the batch split alone (rows spread over all N ranks); ranks without rows still join the
+   all-gathers, idle, which the plan says.
+
+The time model below only decides whether to warn: per step, compute (2 x params x tokens x rows for the matmuls
+plus 4 x tokens^2 x hidden x rows x layers for attention) at ``gpu_flops``, plus the bytes each rank moves (the
+FSDP all-gather when the gathered weights are not kept, the SP all-to-alls) at the slowest link of the group. No
+overlap is assumed, so the estimate errs towards warning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mgpu.planning.devices import Device
+
+# Families with a sequence-parallel adapter (mgpu/families): the family names mgpu.planning.sizing gives, by prefix.
+SP_FAMILIES = ("wan",)
+# Effective bytes/s a rank moves per direction in a collective over the group's slowest link (NVLink4 ~450 GB/s
+# peak, PCIe4 x16 ~32 GB/s peak with P2P, about half of that through host memory without it).
+LINK_BYTES_PER_S = {"nvlink": 300e9, "p2p": 20e9, "pcie": 10e9}
+# Sustained dense bf16 FLOP/s in a DiT forward (~half of the tensor-core peak), by CUDA compute capability.
+GPU_FLOPS = {(7, 0): 50e12, (7, 5): 30e12, (8, 0): 150e12, (8, 6): 40e12, (8, 9): 90e12, (9, 0): 400e12,
+             (10, 0): 900e12, (12, 0): 110e12}
+DEFAULT_GPU_FLOPS = 100e12
+ALL_TO_ALLS_PER_LAYER = 4   # q, k, v to (all tokens, local heads), the attention output back
+
+
+@dataclass
+class Degrees:
+    """The split of one step over the group, and why (``warnings``: numbers saying N ranks may be slower)."""
+
+    ranks: int
+    cfg: int = 1
+    sp: int = 1
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    step_seconds: float | None = None     # estimated, this split
+    single_seconds: float | None = None   # estimated, the same step on one of these GPUs
+
+    def busy_ranks(self, rows: int) -> int:
+        return min(self.cfg, rows) * self.sp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def has_sp_adapter(family: str) -> bool:
+    return family.startswith(SP_FAMILIES)
+
+
+def choose(ranks: int, rows: int, heads: int | None, family: str, sequence_parallel: bool = True) -> Degrees:
+    """The cfg x sp degrees for ``rows`` batch rows per step (2 per video with CFG) on ``ranks`` ranks.
+
+    The first mesh ``cfg x sp == ranks`` (largest ``cfg`` first) whose ``cfg`` divides the rows and whose ``sp``
+    divides the heads; without one, the plain batch split: rows over all ranks, those past the rows idle.
+    """
+    sp_ok = sequence_parallel and bool(heads) and has_sp_adapter(family)
+    for cfg in reversed(_divisors(ranks)):
+        sp = ranks // cfg
+        if rows % cfg or (sp > 1 and not (sp_ok and heads % sp == 0)):
+            continue
+        degrees = Degrees(ranks=ranks, cfg=cfg, sp=sp)
+        if cfg > 1:
+            degrees.reasons.append(f"CFG/batch split: {cfg} groups of ranks, each computing {rows // cfg} of the "
+                                   f"{rows} batch rows per step (no communication)")
+        if sp > 1:
+            degrees.reasons.append(f"Ulysses sequence parallel over {sp} ranks: each computes 1/{sp} of the tokens, "
+                                   f"{heads // sp} of the {heads} heads in attention (two all-to-alls per "
+                                   "self-attention)")
+        return degrees
+    degrees = Degrees(ranks=ranks, cfg=ranks)
+    idle = ranks - min(rows, ranks)
+    why = ("sequence parallelism is off" if not sequence_parallel
+           else f"{family} has no sequence-parallel adapter yet" if not sp_ok
+           else f"no split of {ranks} ranks into (rows groups) x (sequence degree) divides both the {rows} batch rows "
+                f"and the {heads} attention heads (sequence degrees that divide the heads: "
+                f"{', '.join(str(d) for d in _divisors(heads) if 1 < d <= 8)})")
+    degrees.reasons.append(f"batch split: the {rows} batch rows spread over the {ranks} ranks, "
+                           f"{math.ceil(rows / ranks)} per rank" + (f"; {why}, so {idle} of the {ranks} ranks get "
+                                                                    "no rows: they hold their share of the weights "
+                                                                    "but add no speed" if idle else ""))
+    return degrees
+
+
+def group_link(group: list[Device]) -> str | None:
+    """The slowest link between any two GPUs of the group (None: unknown or a single GPU)."""
+    order = ["pcie", "p2p", "nvlink"]
+    kinds = [a.link(b.index) for i, a in enumerate(group) for b in group[i + 1:] if b.index is not None]
+    if not kinds or None in kinds:
+        return None
+    return min(kinds, key=order.index)
+
+
+def gpu_flops(device: Device) -> float:
+    return GPU_FLOPS.get(tuple(device.capability or ()), DEFAULT_GPU_FLOPS)
+
+
+def step_flops(params: int, tokens: int, rows: int, hidden: int, layers: int) -> float:
+    """FLOPs of one step's forward: the matmuls over every token, and self-attention's two token x token products."""
+    return 2.0 * params * tokens * rows + 4.0 * tokens * tokens * hidden * rows * layers
+
+
+def estimate(degrees: Degrees, group: list[Device], *, params: int, weight_bytes: int, tokens: int, rows: int,
+             hidden: int, layers: int, act_bytes: int = 2, resharding: bool = True) -> Degrees:
+    """Fill the step-time estimates of ``degrees`` on ``group`` and warn when N GPUs are likely slower than one."""
+    link = group_link(group)
+    if link is None or not group:
+        return degrees
+    flops = step_flops(params, tokens, rows, hidden, layers)
+    speed = min(gpu_flops(d) for d in group)
+    n = degrees.ranks
+    compute = flops / degrees.busy_ranks(rows) / speed
+    gather = weight_bytes * (n - 1) / n if resharding else 0.0
+    local_rows = math.ceil(rows / degrees.cfg)
+    a2a = (ALL_TO_ALLS_PER_LAYER * layers * local_rows * math.ceil(tokens / degrees.sp) * hidden * act_bytes
+           * (degrees.sp - 1) / degrees.sp)
+    moved = gather + a2a
+    degrees.step_seconds = compute + moved / LINK_BYTES_PER_S[link]
+    degrees.single_seconds = flops / speed
+    ratio = degrees.single_seconds / degrees.step_seconds
+    detail = (f"{_gb(moved)} GB moved per rank per step over {link} (~{LINK_BYTES_PER_S[link] / 1e9:.0f} GB/s: "
+              f"{moved / LINK_BYTES_PER_S[link]:.2f} s) vs {compute:.2f} s of compute per rank")
+    if ratio < 1.0:
+        degrees.warnings.append(f"likely slower than one GPU: estimated {degrees.step_seconds:.2f} s per step on "
+                                f"{n} GPUs vs {degrees.single_seconds:.2f} s on one ({detail})")
+    elif ratio < 0.7 * degrees.busy_ranks(rows):
+        degrees.reasons.append(f"estimated {ratio:.1f}x one GPU on {n} GPUs ({detail})")
+    else:
+        degrees.reasons.append(f"estimated {ratio:.1f}x one GPU on {n} GPUs")
+    return degrees
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
