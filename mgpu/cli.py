@@ -95,7 +95,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         weight_bytes(c.size, c.weight_dtype)
     devices = inventory(args.devices)
     workload = Workload(width=args.width, height=args.height, frames=args.frames, batch=args.batch, cfg=args.cfg)
-    policy = Policy(reserve_bytes=parse_bytes(args.reserve), allow_offload=args.offload, prefer_speed=args.speed, sequence_parallel=args.sequence_parallel,
+    policy = Policy(reserve_bytes=parse_bytes(args.reserve), allow_offload=args.offload, prefer_speed=args.speed,
+                    sequence_parallel=args.sequence_parallel,
                     free_text_encoder_before_sampling=not args.keep_text_encoder)
     for c in components:
         for w in c.size.warnings:
