@@ -5,12 +5,14 @@ Forward inputs arrive as *references* so the host sends each tensor once: ``{"t"
 ``{"c": digest}`` a tensor cached on the ranks by content hash (text context: same for every step), ``{"v": value}``
 plain data. The batch split is done here, not on the host: every rank reads the whole batch from shared memory and
 computes rows ``[lo, hi)``; a rank with no rows still runs a forward on one row and drops it, because FSDP's
-all-gathers need every rank.
+all-gathers need every rank. With sequence parallelism (``mgpu.families``) the rows are split over cfg groups, and
+the ranks of a group compute the same rows together, one answering.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -19,6 +21,7 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule
 
+from mgpu.families import Layout, parallelize
 from mgpu.sharding.fsdp import build_meta, compute_dtype_for, materialize, shard
 from mgpu.weights.quant import FP8_DTYPES
 from mgpu.ranks.rank import RankContext, Tensors, import_path
@@ -32,6 +35,19 @@ def batch_rows(batch: int, ranks: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(batch, ranks)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
+
+
+def rank_rows(batch: int, layout: Layout, rank: int, split: bool = True) -> tuple[int, int, bool]:
+    """Rows ``[lo, hi)`` of the batch that ``rank`` computes, and whether it answers with them.
+
+    The cfg groups split the batch (CFG: cond and uncond on different groups); every rank of a group computes the
+    group's rows (sequence parallelism splits their tokens) and the first answers. ``split=False``: every rank
+    computes the whole batch, rank 0 answers (FSDP alone, no work split)."""
+    if not split:
+        return 0, batch, rank == 0
+    group, position = layout.coords(rank)
+    lo, hi = batch_rows(batch, layout.cfg, group)
+    return lo, hi, lo < hi and position == 0
 
 
 def _local_bytes(model: nn.Module) -> int:
@@ -65,6 +81,7 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     factory = partial(import_path(payload["factory"]), **payload.get("factory_kwargs", {}))
     param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
     model = build_meta(factory)
+    layout = parallelize(model, ctx.mesh, payload.get("sp_degree", 1))   # before FSDP renames the class
     seconds["build"] = time.perf_counter() - t0
     shard(model, ctx.mesh, blocks=payload.get("blocks"), param_dtype=param_dtype,
           reshard_after_forward=payload.get("reshard_after_forward", True), prefetch=payload.get("prefetch", 1))
@@ -76,9 +93,9 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
     seconds["read"] = report.seconds
     model.eval()
-    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}}
+    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}, "layout": layout}
     return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model), "seconds": seconds,
-            "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype)}
+            "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype), "layout": asdict(layout)}
 
 
 def _resolve(ref: dict, tensors: Tensors, cache: dict[str, torch.Tensor], device: torch.device,
@@ -126,11 +143,7 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
         cache[digest] = tensors[name].to(ctx.torch_device, copy=True)  # the shm view is overwritten next call
 
     batch = payload["batch"]
-    if payload.get("split", True):
-        lo, hi = batch_rows(batch, ctx.world_size, ctx.rank)
-        empty = lo == hi
-    else:  # every rank computes everything, rank 0 answers: FSDP alone, no work split
-        lo, hi, empty = 0, batch, ctx.rank != 0
+    lo, hi, answers = rank_rows(batch, entry["layout"], ctx.rank, payload.get("split", True))
     if lo == hi:
         lo, hi = 0, 1  # a forward on one row keeps this rank in the all-gathers; its output is dropped
     batched = set(payload.get("batched", ()))
@@ -145,7 +158,7 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
     except Exception:
         _clean_after_failed_forward(ctx, entry)
         raise
-    if empty:
+    if not answers:
         return {"rows": [0, 0]}, {}
     return {"rows": [lo, hi]}, {"out": out.to("cpu") if ctx.torch_device.type != "cpu" else out}
 
@@ -166,4 +179,4 @@ def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     entry = ctx.objects[payload["handle"]]
     return {"local_param_bytes": _local_bytes(entry["model"]),
             "gathered_bytes_per_forward": _gathered_bytes(entry["model"], entry["param_dtype"]),
-            "cached_tensors": len(entry["cache"]), "world_size": ctx.world_size}
+            "cached_tensors": len(entry["cache"]), "world_size": ctx.world_size, "layout": asdict(entry["layout"])}

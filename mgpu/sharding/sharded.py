@@ -10,6 +10,7 @@ is loaded again on the next call.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from mgpu.errors import CallCancelled, RankFailure
 from mgpu.ranks.pool import RankPool
 from mgpu.torch_support import require_fsdp_torch
 
+log = logging.getLogger(__name__)
 OPS = "mgpu.sharding.model_ops:"
 LOAD_TIMEOUT_S = 1800.0   # 15 GB per rank at ~10 MB/s (a network drive) still loads
 _handles = itertools.count()
@@ -42,6 +44,9 @@ class ModelSpec:
     prefetch: int = 1                      # blocks all-gathered ahead of the one computing
     cached_inputs: tuple[str, ...] = ()    # kwargs sent once and cached by content (e.g. "context")
     split_batch: bool = True               # False: every rank computes the whole batch (for comparison only)
+    sp_degree: int = 1                     # ranks that split each sample's tokens (Ulysses, mgpu.families); the
+                                           # ranks / sp_degree groups split the batch. Lowered to one that divides
+                                           # the heads and the ranks (mgpu.families.sequence.choose_sp_degree)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,9 @@ class ShardedModule:
         self._generation = self.pool.generation
         self._cache.reset()
         self.load_replies = [r.payload for r in replies]
+        note = self.load_replies[0].get("layout", {}).get("note")
+        if note:
+            log.warning("%s", note)
         return self.load_replies
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""Parallelism beyond FSDP for the diffusion networks that support it, one adapter module per family.
+
+The registry is keyed by the network's class name as ComfyUI spells it (``WanModel``); adapters hook ComfyUI's own
+modules on the rank, never import ComfyUI, never copy its code. ``parallelize`` turns the ranks into a 2-D mesh
+("cfg" x "sp"): the cfg groups split the batch (CFG cond/uncond rows), the ranks of one group split each sample's
+tokens (Ulysses sequence parallelism). FSDP still shards the parameters over all the ranks. A family without an
+adapter keeps FSDP + batch split, and says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mgpu.families.sequence import SpDegree, choose_sp_degree
+
+log = logging.getLogger(__name__)
+
+# ComfyUI network class -> adapter module (imported on first use). Subclasses (VaceWanModel, ...) differ in their
+# forward and need their own entry.
+ADAPTERS = {"WanModel": "mgpu.families.wan"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What an adapter module exports as ``FAMILY``."""
+
+    heads: Callable[[nn.Module], int]                       # attention heads: the degree must divide them
+    parallelize: Callable[[nn.Module, DeviceMesh], nn.Module]   # installs the SP hooks (torchtitan style)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks split one forward: ``cfg`` groups of ``sp`` ranks; rank r is group r // sp, position r % sp."""
+
+    cfg: int
+    sp: int
+    note: str | None = None    # why sp differs from what was asked (None when it does not)
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(cfg group, position in the group) of ``rank``."""
+        return divmod(rank, self.sp)
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The adapter for ``model``'s exact class (before FSDP renames it), or None."""
+    path = ADAPTERS.get(type(model).__name__)
+    return None if path is None else importlib.import_module(path).FAMILY
+
+
+def plan_sp_degree(model: nn.Module, wanted: int, ranks: int) -> SpDegree:
+    """The degree ``parallelize`` will use for ``model`` on ``ranks`` ranks when ``wanted`` is asked for."""
+    if wanted <= 1:
+        return SpDegree(1)
+    name = type(model).__name__
+    family = family_of(model)
+    if family is None:
+        return SpDegree(1, f"{name} has no sequence-parallel adapter (mgpu.families: {', '.join(ADAPTERS)}): "
+                           f"FSDP + batch split over the {ranks} ranks instead of degree {wanted}")
+    return choose_sp_degree(family.heads(model), wanted, ranks, name)
+
+
+_meshes: dict[tuple[str, int, int], DeviceMesh] = {}
+
+
+def _cfg_sp_mesh(device_type: str, cfg: int, sp: int) -> DeviceMesh:
+    """The ("cfg", "sp") mesh over all ranks, made once per shape: each makes process groups (NCCL communicators
+    cost GPU memory), and a rank process outlives its models."""
+    key = (device_type, cfg, sp)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device_type, (cfg, sp), mesh_dim_names=("cfg", "sp"))
+    return _meshes[key]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int) -> Layout:
+    """Install ``model``'s sequence parallelism over ``mesh``'s ranks (collective: every rank calls it) before FSDP
+    shards it; returns the layout the rank op splits the batch by."""
+    ranks = mesh.size()
+    chosen = plan_sp_degree(model, sp_degree, ranks)
+    if chosen.note:
+        log.warning("%s", chosen.note)
+    if chosen.degree > 1:
+        family_of(model).parallelize(model, _cfg_sp_mesh(mesh.device_type, ranks // chosen.degree, chosen.degree))
+    return Layout(ranks // chosen.degree, chosen.degree, chosen.note)

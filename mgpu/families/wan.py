@@ -1,0 +1,130 @@
+"""Ulysses sequence parallelism for ComfyUI's ``WanModel`` (comfy/ldm/wan/model.py, 0.3.64 and 0.33.0), by hooks
+on its own modules; its code runs unchanged:
+
+- each block's pre-hook: the first block of a forward cuts the tokens (after the patch embedding, and after any
+  reference tokens ComfyUI concatenates) to this rank's chunk; every block gets the matching rows of the rope table
+  and, with per-token timesteps (Wan 2.2 TI2V), of the modulation ``e0``;
+- each self-attention's pre-hook hands the attention call ComfyUI's own ``optimized_attention_override`` hook, which
+  exchanges (local tokens, all heads) for (all tokens, local heads) around the attention kernel ComfyUI chose, and
+  back; cross-attention is left alone (local queries, replicated text context);
+- the head's pre-hook cuts a per-token ``e``, its post-hook gathers the head's output (``out_dim`` x patch values per
+  token, not the hidden states), so ComfyUI's unpatchify sees every token on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mgpu.errors import ShardingError
+from mgpu.families import Family
+from mgpu.families.sequence import gather_tokens, heads_to_seq, seq_to_heads, token_range, token_sizes
+
+
+class _SpForward:
+    """One model's sequence split; ``sizes`` is set by the first block of each forward, cleared when one starts."""
+
+    def __init__(self, group: Any, parts: int, index: int):
+        self.group, self.parts, self.index = group, parts, index
+        self.sizes: list[int] | None = None
+
+    def begin(self, module: nn.Module, args: tuple) -> None:
+        self.sizes = None
+
+    def cut(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """This rank's rows of dim 1 of a per-token tensor; size 1 there (shared by all tokens) stays whole."""
+        total = sum(self.sizes)
+        if t.shape[1] == total:
+            lo, hi = token_range(self.sizes, self.index)
+            return t[:, lo:hi]
+        if t.shape[1] == 1:
+            return t
+        raise ShardingError(f"WanModel sequence parallelism: {what} has {t.shape[1]} token rows for {total} tokens, "
+                            "so its rows cannot be split with the tokens; run this model without sequence "
+                            "parallelism (sp_degree 1)")
+
+    def block_inputs(self, signature: inspect.Signature, module: nn.Module, args: tuple,
+                     kwargs: dict) -> tuple[tuple, dict]:
+        bound = signature.bind(*args, **kwargs)
+        inputs = bound.arguments
+        if self.sizes is None:
+            self.sizes = token_sizes(inputs["x"].shape[1], self.parts)
+            inputs["x"] = self.cut(inputs["x"], "the hidden states")
+        inputs["freqs"] = self.cut(inputs["freqs"], "the rope table")
+        if inputs["e"].ndim == 4:   # [B, 1 or tokens, 6, dim]; a 3-D e is [B, 6, dim], one for all tokens
+            inputs["e"] = self.cut(inputs["e"], "the per-token timestep modulation")
+        return bound.args, bound.kwargs
+
+    def head_inputs(self, signature: inspect.Signature, module: nn.Module, args: tuple,
+                    kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.sizes is None:
+            return None
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments["e"].ndim == 3:   # [B, 1 or tokens, dim]
+            bound.arguments["e"] = self.cut(bound.arguments["e"], "the per-token timestep embedding")
+        return bound.args, bound.kwargs
+
+    def head_output(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return out if self.sizes is None else gather_tokens(out, self.sizes, self.group)
+
+    def self_attention_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.sizes is None:
+            return None
+        options = kwargs.get("transformer_options")
+        if options is None:
+            raise ShardingError("WanModel sequence parallelism needs the self-attention to receive transformer_options "
+                                "(ComfyUI >= 0.3.64 passes them); this ComfyUI does not: use sp_degree 1")
+        outer = options.get("optimized_attention_override")
+        override = functools.partial(self.attention, outer)
+        return args, {**kwargs, "transformer_options": {**options, "optimized_attention_override": override}}
+
+    def attention(self, outer: Callable | None, func: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  *args: Any, heads: int, **kwargs: Any) -> torch.Tensor:
+        """ComfyUI's attention ``func`` (or an override already set, ``outer``) on (all tokens, local heads)."""
+        if args or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape"):
+            raise ShardingError("WanModel sequence parallelism: the self-attention was called with a mask or "
+                                "another layout than [batch, tokens, heads x dim]; use sp_degree 1")
+        b, local, inner = q.shape
+        size = inner // heads
+        qkv = seq_to_heads(torch.stack([t.view(b, local, heads, size) for t in (q, k, v)], dim=3),
+                           self.sizes, self.group)                  # [B, tokens, heads / P, 3, head dim]
+        tokens, group_heads = qkv.shape[1], heads // self.parts
+        q, k, v = (qkv[:, :, :, i].reshape(b, tokens, group_heads * size) for i in range(3))
+        attend = func if outer is None else functools.partial(outer, func)
+        out = attend(q, k, v, heads=group_heads, **kwargs)
+        return heads_to_seq(out.view(b, tokens, group_heads, size), self.sizes, self.group).reshape(b, local, inner)
+
+
+def _sp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    return mesh["sp"] if "sp" in names else mesh
+
+
+def parallelize_wan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split ``model``'s tokens over ``mesh`` (1-D, or the "sp" dimension of a 2-D mesh); returns ``model``.
+
+    Every rank of the mesh must run each forward with the same batch rows: they compute one sample together."""
+    sp = _sp_mesh(mesh)
+    parts = sp.size()
+    if model.num_heads % parts:
+        raise ShardingError(f"WanModel has {model.num_heads} attention heads, which sequence-parallel degree {parts} "
+                            f"does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
+    state = _SpForward(sp.get_group(), parts, sp.get_local_rank())
+    model.register_forward_pre_hook(state.begin)
+    for block in model.blocks:
+        block.register_forward_pre_hook(functools.partial(state.block_inputs, inspect.signature(block.forward)),
+                                        with_kwargs=True)
+        block.self_attn.register_forward_pre_hook(state.self_attention_inputs, with_kwargs=True)
+    model.head.register_forward_pre_hook(functools.partial(state.head_inputs, inspect.signature(model.head.forward)),
+                                         with_kwargs=True)
+    model.head.register_forward_hook(state.head_output, with_kwargs=True)
+    return model
+
+
+FAMILY = Family(heads=lambda model: model.num_heads, parallelize=parallelize_wan)
