@@ -55,12 +55,20 @@ OPTIONS_KEY = "mgpu_fsdp"   # transformer_options[OPTIONS_KEY]: per-sampler sett
 WEIGHT_DTYPES = {"default": None, "fp8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16",
                  "fp16": "float16", "fp32": "float32"}
 CACHED_INPUTS = ("context", "clip_fea")   # the same every step: sent to the ranks once
+# sequence_parallel widget: "auto" follows the plan's degree, else splits each video's tokens over every rank (the
+# ranks lower it to a degree that divides the heads; families without an adapter keep the batch split); "off": the
+# batch (CFG) split only.
+SEQUENCE_PARALLEL = ("auto", "off")
 _handles = itertools.count()
 
 
-def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None, slot: tuple | None = None):
+def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None, slot: tuple | None = None,
+         sequence_parallel: str = "auto"):
     """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any;
     ``slot`` names the loader node (``loader_slot``): its previous FSDP model leaves the GPUs first."""
+    if sequence_parallel not in SEQUENCE_PARALLEL:
+        raise MgpuError(f"{NODE}: sequence_parallel must be one of {', '.join(SEQUENCE_PARALLEL)}, "
+                        f"got {sequence_parallel!r}")
     path = folder_paths.get_full_path("diffusion_models", unet_name)
     if path is None or not os.path.isfile(path):
         raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
@@ -74,7 +82,8 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
         reshard = choice.reshard_after_forward
         if reshard is None:
             reshard = not keeps_gathered(path, dtype, devices)
-        patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot)
+        sp = 1 if sequence_parallel == "off" else choice.sp_degree or len(devices)
+        patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot, sp_degree=sp)
     else:
         patcher = load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's partial loading
     if plan is not None and plan.placement("dit") is not None:
@@ -279,15 +288,16 @@ class _ComfyShardedModule(PatchedModule):
 
 
 def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True,
-              slot: tuple | None = None):
-    """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here."""
+              slot: tuple | None = None, sp_degree: int = 1):
+    """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here.
+    ``sp_degree``: ranks that split each video's tokens (lowered on the ranks to one the heads allow)."""
     pools.release_garbage()   # a model this one replaces leaves the GPUs first
     model_config, sd, prefix = detect(path)
     handle = f"dit-{next(_handles)}"
     comfy_root = os.path.dirname(os.path.abspath(folder_paths.__file__))   # the ComfyUI checkout
     pool = pools.acquire(devices, handle, [comfy_root])
     spec = ModelSpec(factory=FACTORY, checkpoint=path, key_prefix=prefix, cached_inputs=CACHED_INPUTS,
-                     reshard_after_forward=reshard_after_forward,
+                     reshard_after_forward=reshard_after_forward, sp_degree=sp_degree,
                      factory_kwargs={"checkpoint": path, "devices": devices,
                                      "flags": numeric_flags(comfy.cli_args.args)})
     sharded = _ComfyShardedModule(pool, spec, handle, dtype, slot)
@@ -295,8 +305,10 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
     began = time.perf_counter()
     try:
         sharded.load(cancelled=mm.processing_interrupted)
-        log.info("%s: %s loaded in %.1f s (%s, compute %s)", NODE, label, time.perf_counter() - began,
-                 sharded.unet_dtype, sharded.manual_cast or sharded.unet_dtype)
+        layout = sharded.load_replies[0].get("layout", {})
+        log.info("%s: %s loaded in %.1f s (%s, compute %s; each step split %s (CFG/batch) x %s (sequence))", NODE,
+                 label, time.perf_counter() - began, sharded.unet_dtype, sharded.manual_cast or sharded.unet_dtype,
+                 layout.get("cfg", len(devices)), layout.get("sp", 1))
         model_config.set_inference_dtype(getattr(torch, sharded.unet_dtype),
                                          sharded.manual_cast and getattr(torch, sharded.manual_cast))
         base = model_config.get_model(sd, "", device="meta")

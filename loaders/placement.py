@@ -45,6 +45,8 @@ class Choice:
     reason: str
     # fsdp: False keeps the gathered weights between steps (the plan's call); None: no plan, the loader decides
     reshard_after_forward: bool | None = True
+    # fsdp: the plan's sequence-parallel degree (mgpu.planning.parallel); None: no plan, the loader decides
+    sp_degree: int | None = None
 
 
 # --- the machine --------------------------------------------------------------------------------------------------
@@ -162,7 +164,7 @@ def _fsdp(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
         _check_exists(role, placed.devices, devices, choices, " (the MGPU Plan shards the DiT over it)")
         return Choice("fsdp", list(placed.devices), _recast(placed.weight_dtype),
                       f"fsdp over the plan's {len(placed.devices)} GPUs: {', '.join(placed.devices)}",
-                      placed.reshard_after_forward)
+                      placed.reshard_after_forward, placed.sp_degree)
     dtype = _recast(placed.weight_dtype) if placed is not None else None
     gpu_ids = [d.id for d in gpus(devices)]
     if gpu_ids:
@@ -177,8 +179,10 @@ def _auto(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
         _check_exists(role, placed.devices, devices, choices,
                       f" (the MGPU Plan places the {_LABEL_OF_ROLE[role]} there: make the plan with devices "
                       f"'auto' for this machine, or pick a device on this node)")
+        fsdp = placed.strategy == "fsdp"
         return Choice(placed.strategy, list(placed.devices), _recast(placed.weight_dtype),
-                      f"auto: following the plan ({placed.strategy} on {', '.join(placed.devices)})")
+                      f"auto: following the plan ({placed.strategy} on {', '.join(placed.devices)})",
+                      placed.reshard_after_forward if fsdp else True, placed.sp_degree if fsdp else None)
     gpu_list = gpus(devices)
     if gpu_list:
         best = max(gpu_list, key=lambda d: (d.free_bytes, -d.index))

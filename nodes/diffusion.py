@@ -30,6 +30,11 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
                              tooltip="fsdp only: 0 = the planned GPUs (all without a plan); N = the first N. "
                                      "Without a GPU, N CPU ranks (slow; for trying workflows)"),
                 PlanType.Input("plan", optional=True),
+                io.Combo.Input("sequence_parallel", options=list(diffusion.SEQUENCE_PARALLEL), default="auto",
+                               optional=True,
+                               tooltip="fsdp only. auto: split each video's tokens over the ranks (Ulysses; the "
+                                       "plan's degree when a plan is connected), so N GPUs speed up one video even "
+                                       "at cfg 1. off: split only the CFG/batch rows"),
             ],
             outputs=[io.Model.Output()],
             hidden=[io.Hidden.unique_id, io.Hidden.extra_pnginfo],
@@ -42,6 +47,8 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None) -> io.NodeOutput:
+    def execute(cls, unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None,
+                sequence_parallel: str = "auto") -> io.NodeOutput:
         slot = diffusion.loader_slot(cls.hidden.unique_id, cls.hidden.extra_pnginfo)
-        return io.NodeOutput(diffusion.load(unet_name, weight_dtype, device, fsdp_ranks, plan, slot))
+        return io.NodeOutput(diffusion.load(unet_name, weight_dtype, device, fsdp_ranks, plan, slot,
+                                            sequence_parallel))

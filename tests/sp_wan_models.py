@@ -31,8 +31,11 @@ def wan_inputs(batch: int, seed: int = 0, per_token: bool = False) -> dict[str, 
 
 
 def self_attention_tokens(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> dict:
-    """Rank op: run the model on ``tensors`` and report the tokens its first self-attention was given."""
-    model = ctx.objects[payload["handle"]]["model"]
+    """Rank op: run the model on ``tensors`` with the split the rank op would take for their rows, and report the
+    tokens its first self-attention was given."""
+    entry = ctx.objects[payload["handle"]]
+    model = entry["model"]
+    entry["layouts"].use(entry["layouts"].for_rows(tensors["x"].shape[0]))
     seen: list[int] = []
     hook = model.blocks[0].self_attn.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
     try:

@@ -14,8 +14,9 @@ import torch
 from rank_runs import gloo_mesh, run_ranks
 
 from mgpu.families import Layout, parallelize, plan_sp_degree
-from mgpu.families.sequence import (SpDegree, choose_sp_degree, gather_tokens, heads_to_seq, seq_to_heads, token_range,
-                                    token_sizes)
+from mgpu.families.sequence import (SpDegree, choose_sp_degree, gather_tokens, heads_to_seq, seq_to_heads,
+                                    token_range, token_sizes)
+from mgpu.planning.parallel import best_split
 from mgpu.sharding.model_ops import batch_rows, rank_rows
 
 PRELOAD = ["tiny_models", "mgpu.families.sequence"]
@@ -53,11 +54,26 @@ def test_rows_of_a_cfg_by_sp_mesh():
             (*batch_rows(batch, 3, r), batch_rows(batch, 3, r)[0] < batch_rows(batch, 3, r)[1]) for r in range(3)]
 
 
+@pytest.mark.parametrize("ranks, rows, degrees, split", [
+    (2, 2, [1, 2], (2, 1)),          # CFG on 2 ranks: one branch each, nothing exchanged
+    (2, 1, [1, 2], (1, 2)),          # cfg 1: the tokens split instead
+    (4, 2, [1, 2, 4], (2, 2)),       # CFG on 4: 2 branches x 2 sequence halves
+    (4, 1, [1, 2, 4], (1, 4)),
+    (4, 1, [1, 2], (2, 2)),          # heads allow 2 at most: one pair computes, the other idles
+    (4, 4, [1, 2, 4], (4, 1)),       # two videos with CFG: a row each
+    (2, 3, [1, 2], (1, 2)),          # 3 rows: 1.5 rows' worth of tokens per rank beats 2 rows on one
+    (3, 2, [1], (3, 1)),             # no sequence split: the plain batch split
+])
+def test_each_forward_takes_the_split_with_the_least_work_per_rank(ranks, rows, degrees, split):
+    assert best_split(ranks, rows, degrees) == split
+
+
 def test_a_model_without_an_adapter_keeps_the_batch_split_and_logs_it(caplog):
     mesh = types.SimpleNamespace(size=lambda: 4, device_type="cpu")   # no mesh is built for degree 1
     with caplog.at_level(logging.WARNING, logger="mgpu.families"):
-        layout = parallelize(tm.tiny_mlp(), mesh, 2)
-    assert (layout.cfg, layout.sp) == (4, 1)
+        layouts = parallelize(tm.tiny_mlp(), mesh, 2)
+    layout = layouts.for_rows(1)
+    assert (layout.cfg, layout.sp) == (4, 1) and layouts.degrees == [1]
     assert "TinyMLP has no sequence-parallel adapter" in layout.note and "batch split" in layout.note
     assert layout.note in caplog.text
     assert plan_sp_degree(tm.tiny_mlp(), 1, 4).note is None
@@ -120,7 +136,7 @@ def _check_fallback(rank: int, world: int, mesh, workdir: str) -> None:
     x = tm.mlp_inputs(3)["x"]
     rows, out = model_ops.forward(ctx, {"handle": "mlp", "batch": 3, "args": [], "kwargs": {"x": {"t": "x"}},
                                         "batched": ["x"]}, {"x": x})
-    assert rows == {"rows": [rank, rank + 1]}
+    assert rows == {"rows": [rank, rank + 1], "layout": [3, 1]}
     torch.testing.assert_close(out["out"], tm.reference("mlp")(x)[rank:rank + 1], rtol=0, atol=1e-5)
 
 

@@ -104,9 +104,10 @@ def test_the_first_rank_of_each_cfg_group_answers_with_its_rows(sharded, monkeyp
 
     monkeypatch.setattr(sharded.pool, "call", spy)
     sharded(**wan_inputs(2, seed=5))
-    layout = sharded.load_replies[0]["layout"]
+    cfg, sp = replies[0].payload["layout"]
+    assert (cfg, sp) == (2, 2)   # CFG's 2 rows: one per pair of ranks, whatever the widest degree
     answering = {r.rank: tuple(r.payload["rows"]) for r in replies if "out" in r.tensors}
-    assert answering == {g * layout["sp"]: batch_rows(2, layout["cfg"], g) for g in range(layout["cfg"])}
+    assert answering == {g * sp: batch_rows(2, cfg, g) for g in range(cfg)}
 
 
 def test_heads_the_degree_does_not_divide_get_the_largest_degree_that_does(pool, wan, caplog):
@@ -115,7 +116,7 @@ def test_heads_the_degree_does_not_divide_get_the_largest_degree_that_does(pool,
         model = _load(pool, wan, 6, 4)
     try:
         layout = model.load_replies[0]["layout"]
-        assert (layout["cfg"], layout["sp"]) == (2, 2)
+        assert (layout["cfg"], layout["sp"], layout["degrees"]) == (2, 2, [1, 2])
         assert "6 attention heads" in layout["note"] and "using degree 2" in layout["note"]
         assert layout["note"] in caplog.text
         inputs = wan_inputs(2, seed=3)

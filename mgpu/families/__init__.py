@@ -3,7 +3,8 @@
 The registry is keyed by the network's class name as ComfyUI spells it (``WanModel``); adapters hook ComfyUI's own
 modules on the rank, never import ComfyUI, never copy its code. ``parallelize`` turns the ranks into a 2-D mesh
 ("cfg" x "sp"): the cfg groups split the batch (CFG cond/uncond rows), the ranks of one group split each sample's
-tokens (Ulysses sequence parallelism). FSDP still shards the parameters over all the ranks. A family without an
+tokens (Ulysses sequence parallelism). The split is chosen per forward from its batch rows (``Layouts``), among
+the degrees the model's heads allow. FSDP still shards the parameters over all the ranks. A family without an
 adapter keeps FSDP + batch split, and says so.
 """
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mgpu.families.sequence import SpDegree, choose_sp_degree
+from mgpu.planning.parallel import best_split
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,9 @@ ADAPTERS = {"WanModel": "mgpu.families.wan"}
 class Family:
     """What an adapter module exports as ``FAMILY``."""
 
-    heads: Callable[[nn.Module], int]                       # attention heads: the degree must divide them
-    parallelize: Callable[[nn.Module, DeviceMesh], nn.Module]   # installs the SP hooks (torchtitan style)
+    heads: Callable[[nn.Module], int]   # attention heads: a degree must divide them
+    # installs the SP hooks for each degree's "sp" mesh (torchtitan style); returns the switch: select(degree)
+    parallelize: Callable[[nn.Module, dict[int, DeviceMesh]], Callable[[int], None]]
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,39 @@ def _cfg_sp_mesh(device_type: str, cfg: int, sp: int) -> DeviceMesh:
     return _meshes[key]
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int) -> Layout:
-    """Install ``model``'s sequence parallelism over ``mesh``'s ranks (collective: every rank calls it) before FSDP
-    shards it; returns the layout the rank op splits the batch by."""
+class Layouts:
+    """The splits a loaded model can run; each forward takes the best for its batch rows (``best_split``): CFG's
+    2 rows go to 2 cfg groups, a cfg-1 forward splits its tokens over every rank, with the same loaded shards."""
+
+    def __init__(self, ranks: int, degrees: list[int], note: str | None = None,
+                 select: Callable[[int], None] | None = None):
+        self.ranks, self.degrees, self.note, self._select = ranks, degrees, note, select
+
+    def for_rows(self, rows: int) -> Layout:
+        cfg, sp = best_split(self.ranks, rows, self.degrees)
+        return Layout(cfg, sp, self.note)
+
+    def use(self, layout: Layout) -> None:
+        """Point the model's hooks at ``layout``'s sequence groups before a forward (sp 1: hooks idle)."""
+        if self._select is not None:
+            self._select(layout.sp)
+
+    def describe(self) -> dict:
+        widest = max(self.degrees)
+        return {"cfg": self.ranks // widest, "sp": widest, "degrees": list(self.degrees), "note": self.note}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int) -> Layouts:
+    """Install ``model``'s sequence parallelism over ``mesh``'s ranks for every degree up to ``sp_degree`` that its
+    heads and the ranks allow (collective: every rank calls it, before FSDP shards the model)."""
     ranks = mesh.size()
     chosen = plan_sp_degree(model, sp_degree, ranks)
     if chosen.note:
         log.warning("%s", chosen.note)
-    if chosen.degree > 1:
-        family_of(model).parallelize(model, _cfg_sp_mesh(mesh.device_type, ranks // chosen.degree, chosen.degree))
-    return Layout(ranks // chosen.degree, chosen.degree, chosen.note)
+    if chosen.degree == 1:
+        return Layouts(ranks, [1], chosen.note)
+    family = family_of(model)
+    heads = family.heads(model)
+    degrees = [d for d in range(1, chosen.degree + 1) if ranks % d == 0 and heads % d == 0]
+    meshes = {d: _cfg_sp_mesh(mesh.device_type, ranks // d, d)["sp"] for d in degrees if d > 1}
+    return Layouts(ranks, degrees, chosen.note, family.parallelize(model, meshes))

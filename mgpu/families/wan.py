@@ -28,11 +28,20 @@ from mgpu.families.sequence import gather_tokens, heads_to_seq, seq_to_heads, to
 
 
 class _SpForward:
-    """One model's sequence split; ``sizes`` is set by the first block of each forward, cleared when one starts."""
+    """One model's sequence split; ``select`` picks the degree for the next forwards (1: every hook passes through),
+    ``sizes`` is set by the first block of each forward, cleared when one starts."""
 
-    def __init__(self, group: Any, parts: int, index: int):
-        self.group, self.parts, self.index = group, parts, index
+    def __init__(self, meshes: dict[int, DeviceMesh]):
+        self.groups = {d: (m.get_group(), m.get_local_rank()) for d, m in meshes.items()}
+        self.parts, self.group, self.index = 1, None, 0
         self.sizes: list[int] | None = None
+
+    def select(self, degree: int) -> None:
+        if degree != 1 and degree not in self.groups:
+            raise ShardingError(f"WanModel sequence parallelism was set up for degrees {sorted(self.groups)}, "
+                                f"not {degree}")
+        self.parts = degree
+        self.group, self.index = self.groups.get(degree, (None, 0))
 
     def begin(self, module: nn.Module, args: tuple) -> None:
         self.sizes = None
@@ -51,6 +60,8 @@ class _SpForward:
 
     def block_inputs(self, signature: inspect.Signature, module: nn.Module, args: tuple,
                      kwargs: dict) -> tuple[tuple, dict]:
+        if self.parts == 1:
+            return None
         bound = signature.bind(*args, **kwargs)
         inputs = bound.arguments
         if self.sizes is None:
@@ -101,21 +112,16 @@ class _SpForward:
         return heads_to_seq(out.view(b, tokens, group_heads, size), self.sizes, self.group).reshape(b, local, inner)
 
 
-def _sp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    names = mesh.mesh_dim_names or ()
-    return mesh["sp"] if "sp" in names else mesh
+def parallelize_wan(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:
+    """Hooks that split ``model``'s tokens over the "sp" mesh of the degree selected (``meshes``: degree -> 1-D
+    mesh of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called.
 
-
-def parallelize_wan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split ``model``'s tokens over ``mesh`` (1-D, or the "sp" dimension of a 2-D mesh); returns ``model``.
-
-    Every rank of the mesh must run each forward with the same batch rows: they compute one sample together."""
-    sp = _sp_mesh(mesh)
-    parts = sp.size()
-    if model.num_heads % parts:
-        raise ShardingError(f"WanModel has {model.num_heads} attention heads, which sequence-parallel degree {parts} "
-                            f"does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
-    state = _SpForward(sp.get_group(), parts, sp.get_local_rank())
+    Every rank of the selected mesh must run each forward with the same batch rows: they compute one sample together."""
+    bad = [d for d in meshes if model.num_heads % d]
+    if bad:
+        raise ShardingError(f"WanModel has {model.num_heads} attention heads, which sequence-parallel degree "
+                            f"{bad[0]} does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
+    state = _SpForward(meshes)
     model.register_forward_pre_hook(state.begin)
     for block in model.blocks:
         block.register_forward_pre_hook(functools.partial(state.block_inputs, inspect.signature(block.forward)),
@@ -124,7 +130,7 @@ def parallelize_wan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     model.head.register_forward_pre_hook(functools.partial(state.head_inputs, inspect.signature(model.head.forward)),
                                          with_kwargs=True)
     model.head.register_forward_hook(state.head_output, with_kwargs=True)
-    return model
+    return state.select
 
 
 FAMILY = Family(heads=lambda model: model.num_heads, parallelize=parallelize_wan)

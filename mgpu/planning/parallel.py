@@ -4,11 +4,10 @@ FSDP makes a model fit; only the work split makes a step faster. The ranks form 
 ``cfg * sp == N``: ``cfg`` splits the batch rows (cond / uncond, videos of a batch), ``sp`` splits each video's
 tokens (Ulysses: two all-to-alls around every self-attention, heads divided over the ``sp`` ranks). The choice:
 
-1. ``cfg``: the largest divisor of N that divides the batch rows (a CFG batch of 2 on 4 ranks: 2); splitting rows
-   costs no communication at all, so it goes first.
-2. ``sp``: the rest, N / cfg, if the family has a sequence-parallel adapter and its heads divide by it.
-3. No such mesh: the batch split alone (rows spread over all N ranks); ranks without rows still join the
-   all-gathers, idle, which the plan says.
+``best_split`` picks, for each forward, the split with the least work on the busiest rank, the most cfg groups on
+a tie (splitting rows costs no communication); ``sp`` must divide the family's heads, and a family without a
+sequence-parallel adapter has only ``sp`` = 1. The ranks take the same decision per forward (``mgpu.families``),
+so the plan shows what will run. Ranks without rows still join the all-gathers, idle, which the plan says.
 
 The time model below only decides whether to warn: per step, compute (2 x params x tokens x rows for the matmuls
 plus 4 x tokens^2 x hidden x rows x layers for attention) at ``gpu_flops``, plus the bytes each rank moves (the
@@ -59,38 +58,39 @@ def has_sp_adapter(family: str) -> bool:
     return family.startswith(SP_FAMILIES)
 
 
-def choose(ranks: int, rows: int, heads: int | None, family: str, sequence_parallel: bool = True) -> Degrees:
-    """The cfg x sp degrees for ``rows`` batch rows per step (2 per video with CFG) on ``ranks`` ranks.
+def best_split(ranks: int, rows: int, degrees: list[int]) -> tuple[int, int]:
+    """(cfg groups, sequence degree) for a forward over ``rows`` batch rows on ``ranks`` ranks, ``cfg x sp ==
+    ranks``, ``sp`` one of ``degrees`` (those the model's heads allow; 1 always is).
 
-    The first mesh ``cfg x sp == ranks`` (largest ``cfg`` first) whose ``cfg`` divides the rows and whose ``sp``
-    divides the heads; without one, the plain batch split: rows over all ranks, those past the rows idle.
-    """
+    The split with the least work on the busiest rank (``ceil(rows / cfg) / sp`` rows' worth of tokens); on a tie
+    the most cfg groups, since splitting rows costs no communication. CFG (2 rows) on 2 ranks: 2 x 1; on 4 ranks:
+    2 x 2; cfg 1 (1 row) on 4 ranks: 1 x 4."""
+    options = [(ranks // sp, sp) for sp in degrees if ranks % sp == 0]
+    return min(options, key=lambda o: (-(-rows // o[0]) / o[1], -o[0]))
+
+
+def choose(ranks: int, rows: int, heads: int | None, family: str, sequence_parallel: bool = True) -> Degrees:
+    """The cfg x sp degrees for ``rows`` batch rows per step (2 per video with CFG) on ``ranks`` ranks: the split
+    the ranks will take for such a forward (``best_split``, as ``mgpu.families.Layouts`` does), and why."""
     sp_ok = sequence_parallel and bool(heads) and has_sp_adapter(family)
-    for cfg in reversed(_divisors(ranks)):
-        sp = ranks // cfg
-        if rows % cfg or (sp > 1 and not (sp_ok and heads % sp == 0)):
-            continue
-        degrees = Degrees(ranks=ranks, cfg=cfg, sp=sp)
-        if cfg > 1:
-            degrees.reasons.append(f"CFG/batch split: {cfg} groups of ranks, each computing {rows // cfg} of the "
-                                   f"{rows} batch rows per step (no communication)")
-        if sp > 1:
-            degrees.reasons.append(f"Ulysses sequence parallel over {sp} ranks: each computes 1/{sp} of the tokens, "
-                                   f"{heads // sp} of the {heads} heads in attention (two all-to-alls per "
-                                   "self-attention)")
-        return degrees
-    degrees = Degrees(ranks=ranks, cfg=ranks)
-    idle = ranks - min(rows, ranks)
-    why = ("sequence parallelism is off" if not sequence_parallel
-           else f"{family} has no sequence-parallel adapter yet" if not sp_ok
-           else f"no split of {ranks} ranks into (rows groups) x (sequence degree) divides both the {rows} batch rows "
-                f"and the {heads} attention heads (sequence degrees that divide the heads: "
-                f"{', '.join(str(d) for d in _divisors(heads) if 1 < d <= 8)})")
-    degrees.reasons.append(f"batch split: the {rows} batch rows spread over the {ranks} ranks, "
-                           f"{math.ceil(rows / ranks)} per rank" + (f"; {why}, so {idle} of the {ranks} ranks get "
-                                                                    "no rows: they hold their share of the weights "
-                                                                    "but add no speed" if idle else ""))
-    return degrees
+    degrees = [d for d in _divisors(ranks) if sp_ok and heads % d == 0] or [1]
+    cfg, sp = best_split(ranks, rows, degrees)
+    chosen = Degrees(ranks=ranks, cfg=cfg, sp=sp)
+    if cfg > 1:
+        chosen.reasons.append(f"CFG/batch split: {cfg} groups of ranks, each computing {math.ceil(rows / cfg)} of the "
+                              f"{rows} batch rows per step (no communication)")
+    if sp > 1:
+        chosen.reasons.append(f"Ulysses sequence parallel over {sp} ranks: each computes 1/{sp} of the tokens, "
+                              f"{heads // sp} of the {heads} heads in attention (two all-to-alls per self-attention)")
+    idle = ranks - min(cfg, rows) * sp
+    if idle:
+        why = ("sequence parallelism is off" if not sequence_parallel
+               else f"{family} has no sequence-parallel adapter yet" if not (heads and has_sp_adapter(family))
+               else f"sequence degrees must divide the {heads} attention heads "
+                    f"({', '.join(str(d) for d in _divisors(heads) if 1 < d <= 8)})")
+        chosen.reasons.append(f"{idle} of the {ranks} ranks get no rows ({why}): they hold their share of the "
+                              "weights but add no speed")
+    return chosen
 
 
 def group_link(group: list[Device]) -> str | None:

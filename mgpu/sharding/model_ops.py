@@ -12,7 +12,6 @@ the ranks of a group compute the same rows together, one answering.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch import nn
 
 from torch.distributed.fsdp import FSDPModule
 
-from mgpu.families import Layout, parallelize
+from mgpu.families import Layout, Layouts, parallelize
 from mgpu.sharding.fsdp import build_meta, compute_dtype_for, materialize, shard
 from mgpu.weights.quant import FP8_DTYPES
 from mgpu.ranks.rank import RankContext, Tensors, import_path
@@ -81,7 +80,7 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     factory = partial(import_path(payload["factory"]), **payload.get("factory_kwargs", {}))
     param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
     model = build_meta(factory)
-    layout = parallelize(model, ctx.mesh, payload.get("sp_degree", 1))   # before FSDP renames the class
+    layouts = parallelize(model, ctx.mesh, payload.get("sp_degree", 1))   # before FSDP renames the class
     seconds["build"] = time.perf_counter() - t0
     shard(model, ctx.mesh, blocks=payload.get("blocks"), param_dtype=param_dtype,
           reshard_after_forward=payload.get("reshard_after_forward", True), prefetch=payload.get("prefetch", 1))
@@ -93,9 +92,9 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
     seconds["read"] = report.seconds
     model.eval()
-    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}, "layout": layout}
+    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}, "layouts": layouts}
     return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model), "seconds": seconds,
-            "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype), "layout": asdict(layout)}
+            "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype), "layout": layouts.describe()}
 
 
 def _resolve(ref: dict, tensors: Tensors, cache: dict[str, torch.Tensor], device: torch.device,
@@ -143,7 +142,11 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
         cache[digest] = tensors[name].to(ctx.torch_device, copy=True)  # the shm view is overwritten next call
 
     batch = payload["batch"]
-    lo, hi, answers = rank_rows(batch, entry["layout"], ctx.rank, payload.get("split", True))
+    layouts: Layouts = entry["layouts"]
+    split = payload.get("split", True)
+    layout = layouts.for_rows(batch) if split else Layout(ctx.world_size, 1)
+    layouts.use(layout)
+    lo, hi, answers = rank_rows(batch, layout, ctx.rank, split)
     if lo == hi:
         lo, hi = 0, 1  # a forward on one row keeps this rank in the all-gathers; its output is dropped
     batched = set(payload.get("batched", ()))
@@ -159,8 +162,8 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
         _clean_after_failed_forward(ctx, entry)
         raise
     if not answers:
-        return {"rows": [0, 0]}, {}
-    return {"rows": [lo, hi]}, {"out": out.to("cpu") if ctx.torch_device.type != "cpu" else out}
+        return {"rows": [0, 0], "layout": [layout.cfg, layout.sp]}, {}
+    return {"rows": [lo, hi], "layout": [layout.cfg, layout.sp]}, {"out": out.to("cpu") if ctx.torch_device.type != "cpu" else out}
 
 
 def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
@@ -179,4 +182,4 @@ def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     entry = ctx.objects[payload["handle"]]
     return {"local_param_bytes": _local_bytes(entry["model"]),
             "gathered_bytes_per_forward": _gathered_bytes(entry["model"], entry["param_dtype"]),
-            "cached_tensors": len(entry["cache"]), "world_size": ctx.world_size, "layout": asdict(entry["layout"])}
+            "cached_tensors": len(entry["cache"]), "world_size": ctx.world_size, "layout": entry["layouts"].describe()}
