@@ -305,10 +305,10 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
     began = time.perf_counter()
     try:
         sharded.load(cancelled=mm.processing_interrupted)
-        layout = sharded.load_replies[0].get("layout", {})
-        log.info("%s: %s loaded in %.1f s (%s, compute %s; each step split %s (CFG/batch) x %s (sequence))", NODE,
-                 label, time.perf_counter() - began, sharded.unet_dtype, sharded.manual_cast or sharded.unet_dtype,
-                 layout.get("cfg", len(devices)), layout.get("sp", 1))
+        degrees = sharded.load_replies[0].get("layout", {}).get("degrees", [1])
+        log.info("%s: %s loaded in %.1f s (%s, compute %s; sequence-parallel degrees %s, chosen per step after the "
+                 "CFG/batch split)", NODE, label, time.perf_counter() - began, sharded.unet_dtype,
+                 sharded.manual_cast or sharded.unet_dtype, ", ".join(map(str, degrees)))
         model_config.set_inference_dtype(getattr(torch, sharded.unet_dtype),
                                          sharded.manual_cast and getattr(torch, sharded.manual_cast))
         base = model_config.get_model(sd, "", device="meta")

@@ -101,6 +101,7 @@ class ShardedModule:
         self.load_replies: list[dict] = []
         self._generation = -1
         self._cache = _ContentCache()
+        self.split: tuple[int, int] | None = None   # (cfg groups, sequence degree) of the last forward
 
     @property
     def loaded(self) -> bool:
@@ -170,6 +171,11 @@ class ShardedModule:
         except (RankFailure, CallCancelled):
             self._cache.reset()
             raise
+        split = tuple(replies[0].payload.get("layout", ()))
+        if split and split != self.split:
+            log.info("%s: %d batch rows per step split %d (CFG/batch) x %d (sequence) over %d ranks",
+                     self.spec.checkpoint, batch, *split, len(replies))
+        self.split = split or None
         parts = sorted((tuple(r.payload["rows"]), r.tensors["out"]) for r in replies if "out" in r.tensors)
         return torch.cat([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
 
