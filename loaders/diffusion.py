@@ -42,7 +42,7 @@ from . import transformer_options as remote_options
 from . import weight_patches
 from .plan_check import add_plan_check
 from .placement import NODE_OF_ROLE, live_devices, resolve
-from .rank_factory import agree_dtype, detect, numeric_flags
+from .rank_factory import agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized
 
 log = logging.getLogger("mgpu")
 
@@ -283,6 +283,8 @@ class _ComfyShardedModule(PatchedModule):
         replies = self.pool.call(PREPARE, {"checkpoint": self.spec.checkpoint, "flags": kwargs["flags"],
                                            "unet_dtype": self.unet_dtype}, timeout=timeout, cancelled=cancelled)
         self.unet_dtype, self.manual_cast = agree_dtype([r.payload for r in replies], kwargs["devices"])
+        if fp8_line := fp8_compute_summary([r.payload for r in replies]):
+            log.info("%s: %s", NODE, fp8_line)
         kwargs["unet_dtype"] = self.unet_dtype
         return super().load(timeout, cancelled)
 
@@ -312,6 +314,8 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
         model_config.set_inference_dtype(getattr(torch, sharded.unet_dtype),
                                          sharded.manual_cast and getattr(torch, sharded.manual_cast))
         base = model_config.get_model(sd, "", device="meta")
+        if quantized(model_config):   # ComfyUI's quantized layers get their (meta) weights as stock's have them
+            load_layers_on_meta(base.diffusion_model, sd)
     except BaseException as exc:
         pools.release(sharded)
         if isinstance(exc, RankFailure):

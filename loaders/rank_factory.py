@@ -13,11 +13,16 @@ casts the inputs once).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from functools import partial
+
 import torch
 from torch import nn
 
 from mgpu.errors import MgpuError, ShardingError
-from mgpu.planning.sizing import read_header
+from mgpu.planning.sizing import TensorInfo, read_header
+from mgpu.weights.quant import FP8_DTYPES, Fp8Compute, fp8_compute_line, fp8_compute_path, view_weight_as
 from mgpu.sharding.slice_load import FORMAT_KEYS, SAFETENSORS_DTYPES
 
 # Flags of the host's ComfyUI that change how the network computes (precision, attention, kernels); the ranks get
@@ -77,15 +82,35 @@ def _setup(device: str, flags: Flags) -> torch.device:
     return torch.device(device)
 
 
+# Checkpoint keys whose values ComfyUI reads while it converts a quantized checkpoint: each layer's format
+# (``comfy_quant`` JSON) and the scaled-fp8 input scales it drops when they are 1. A few bytes each, read for real.
+VALUE_KEYS = (".comfy_quant", ".scale_input")
+# Per-layer formats (ComfyUI's comfy.quant_ops.QUANT_ALGOS) whose rows shard: fp8 bytes, one scale per layer.
+SHARDABLE_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+# Keys of a quantized checkpoint that describe its format, and that hold no weight once ComfyUI has converted it.
+_FORMAT_SUFFIXES = (".comfy_quant", ".scale_input", ".input_scale")
+
+
 def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The checkpoint as meta tensors of the right shapes and dtypes, from its header: all ComfyUI's detection reads."""
+    """The checkpoint as meta tensors of the right shapes and dtypes, from its header: all ComfyUI's detection reads,
+    but for the few bytes of ``VALUE_KEYS`` it converts quantized checkpoints by."""
     header = read_header(path)
     unknown = sorted({info.dtype for info in header.tensors.values()} - set(SAFETENSORS_DTYPES))
     if unknown:
         raise MgpuError(f"{path}: tensors of dtype {', '.join(unknown)} cannot be loaded by this torch "
                         f"({torch.__version__}); convert the file, or upgrade torch")
-    return {name: torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype], device="meta")
+    return {name: _read_value(path, info) if name.endswith(VALUE_KEYS) else
+            torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype], device="meta")
             for name, info in header.tensors.items()}
+
+
+def _read_value(path: str, info: TensorInfo) -> torch.Tensor:
+    with open(path, "rb") as f:
+        f.seek(info.start)
+        raw = bytearray(f.read(info.end - info.start))
+    if not raw:
+        return torch.empty(info.shape, dtype=SAFETENSORS_DTYPES[info.dtype])
+    return torch.frombuffer(raw, dtype=SAFETENSORS_DTYPES[info.dtype]).reshape(info.shape)
 
 
 def detect(path: str):
@@ -93,28 +118,76 @@ def detect(path: str):
 
     The first half of ``comfy.sd.load_diffusion_model_state_dict``, on meta tensors: the host and every rank build
     exactly the model ComfyUI would, without reading weights.
+
+    Newer ComfyUI (0.33) first converts scaled-fp8 files and ``_quantization_metadata`` files to its quantized
+    format (``comfy.utils.convert_old_quants``: per-layer ``comfy_quant`` entries); layers in a format the ranks
+    cannot shard are refused here, before any rank starts. ComfyUI 0.3.x builds scaled-fp8 files with its scaled-fp8
+    ops instead, and does not know the quantized format: such files are refused there.
     """
     import comfy.model_detection
     import comfy.utils
 
+    metadata = read_header(path).metadata
     sd = meta_state_dict(path)
+    converts = hasattr(comfy.utils, "convert_old_quants")
+    if converts:
+        sd, metadata = comfy.utils.convert_old_quants(sd, "", metadata=metadata)
     prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
     stripped = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
     if stripped:
         sd = stripped
+        if converts:
+            sd, metadata = comfy.utils.convert_old_quants(sd, "", metadata=metadata)
     else:
         prefix = ""
-    model_config = comfy.model_detection.model_config_from_unet(sd, "")   # pops a scaled_fp8 marker it supports
+    detect_kwargs = {"metadata": metadata} if converts else {}
+    model_config = comfy.model_detection.model_config_from_unet(sd, "", **detect_kwargs)   # 0.3.x: pops scaled_fp8
     if model_config is None:
         raise ShardingError(f"{path}: ComfyUI does not recognise this diffusion model from its keys, so it cannot be "
                             "sharded (diffusers-format files are converted only by ComfyUI's single-device loader); "
                             "load it on one device, or use a ComfyUI-format file")
-    if "scaled_fp8" in sd:   # newer ComfyUI (0.33.0) leaves it for convert_old_quants: quantized tensors, no fp8 ops
-        raise ShardingError(f"{path} is a scaled-fp8 checkpoint (a scaled_fp8 marker and per-layer scale_weight); "
-                            f"this ComfyUI ({_comfy_version()}) loads it as quantized tensors, which MGPU Load "
-                            "Diffusion Model cannot shard yet (ComfyUI 0.3.64's scaled-fp8 ops it can): load it on one "
-                            "device (device cuda:N or cpu), or shard the bf16/fp16 file with weight_dtype fp8_e4m3fn")
+    if converts:
+        _refuse_unshardable_layers(path, sd)
+    elif "_quantization_metadata" in metadata or any(k.endswith(".comfy_quant") for k in sd):
+        raise ShardingError(f"{path} is a ComfyUI quantized checkpoint (per-layer quantization formats), which this "
+                            f"ComfyUI ({_comfy_version()}) does not know: it would compute with its fp8 weights "
+                            "unscaled. Update ComfyUI (0.33 and newer load it, and shard its float8 layers), or use "
+                            "the file's bf16/fp16 original")
     return model_config, sd, prefix
+
+
+def quantized_layers(sd: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Each quantized layer's ComfyUI config (the ``comfy_quant`` JSON of a converted state dict), by layer name."""
+    return {key.removesuffix(".comfy_quant"): json.loads(bytes(value.tolist()))
+            for key, value in sd.items() if key.endswith(".comfy_quant")}
+
+
+def _refuse_unshardable_layers(path: str, sd: dict[str, torch.Tensor]) -> None:
+    """Refuse a quantized checkpoint with any layer the ranks cannot shard, naming the layers and their formats.
+
+    Shardable: fp8 weights (their rows split over the ranks, all-gathered as bytes) with one scale per layer (held
+    whole by every rank). Block-scaled (mxfp8, nvfp4) and int8 formats pack scales that do not follow the rows.
+    """
+    problems: dict[str, list[str]] = {}
+    for layer, conf in quantized_layers(sd).items():
+        fmt = conf.get("format")
+        weight, scale = sd.get(f"{layer}.weight"), sd.get(f"{layer}.weight_scale")
+        if weight is None:   # a layer name no weight has (ComfyUI re-adds a prefixed file's names): ignored, as there
+            continue
+        if fmt not in SHARDABLE_FORMATS:
+            problems.setdefault(str(fmt), []).append(layer)
+        elif weight.dtype not in FP8_DTYPES:
+            problems.setdefault(f"{fmt} stored as {dtype_name(weight.dtype)}", []).append(layer)
+        elif scale is None or scale.numel() != 1:
+            values = "no weight_scale" if scale is None else f"{scale.numel()} weight_scale values"
+            problems.setdefault(f"{fmt} with {values}", []).append(layer)
+    if problems:
+        listed = "; ".join(f"{kind}: {len(layers)} layer{'s' * (len(layers) > 1)} ({', '.join(layers[:3])}"
+                           f"{', ...' if len(layers) > 3 else ''})" for kind, layers in problems.items())
+        raise ShardingError(f"{path}: MGPU Load Diffusion Model cannot shard these quantized layers: {listed}. It "
+                            f"shards {' and '.join(SHARDABLE_FORMATS)} layers with one weight_scale each (the fp8 "
+                            "rows split over the ranks, the scale held whole); load this file on one device "
+                            "(device cuda:N or cpu) instead")
 
 
 def _comfy_version() -> str:
@@ -125,16 +198,60 @@ def _comfy_version() -> str:
     return __version__
 
 
+def _config_value(model_config, name: str):
+    """An attribute of a ComfyUI model config, None where this ComfyUI lacks it (its __getattr__ logs a warning)."""
+    return vars(model_config).get(name, getattr(type(model_config), name, None))
+
+
 def scaled_fp8(model_config) -> bool:
-    """Whether ComfyUI builds this network with its scaled-fp8 ops (``detect`` refuses the file otherwise)."""
-    return getattr(model_config, "scaled_fp8", None) is not None
+    """Whether ComfyUI (0.3.x) builds this network with its scaled-fp8 ops."""
+    return _config_value(model_config, "scaled_fp8") is not None
+
+
+def quantized(model_config) -> bool:
+    """Whether ComfyUI (0.33+) builds this network with its mixed-precision ops (quantized layers)."""
+    return _config_value(model_config, "quant_config") is not None
+
+
+def fp8_full_precision(model_config, sd: dict[str, torch.Tensor]) -> bool | None:
+    """Whether the checkpoint asks ComfyUI to compute its fp8 layers in full precision rather than by fp8 matmul;
+    None when it has no scaled or quantized fp8 layers (their compute follows ComfyUI's plain casting)."""
+    if quantized(model_config):
+        confs = [c for c in quantized_layers(sd).values() if c.get("format") in SHARDABLE_FORMATS]
+        return all(c.get("full_precision_matrix_mult", False) for c in confs) if confs else None
+    if scaled_fp8(model_config):   # a 2-element scaled_fp8 marker turns ComfyUI 0.3.x's fp8 optimizations off
+        return not model_config.optimizations.get("fp8", False)
+    return None
+
+
+def rank_fp8_compute(device: torch.device, full_precision: bool) -> Fp8Compute:
+    """How this rank's fp8 layers compute (``mgpu.weights.quant.fp8_compute_path`` on its device); ComfyUI's own
+    verdict for the device wins where the two disagree, since ComfyUI's ops are what run."""
+    import comfy.cli_args
+    import comfy.model_management as mm
+
+    nvidia = device.type == "cuda" and torch.version.cuda is not None
+    capability = torch.cuda.get_device_capability(device) if nvidia else None
+    path = fp8_compute_path(str(device), capability, full_precision=full_precision,
+                            forced=bool(getattr(comfy.cli_args.args, "supports_fp8_compute", False)))
+    comfy_matmul = bool(mm.supports_fp8_compute(device)) and not full_precision
+    if comfy_matmul != path.matmul:
+        return Fp8Compute(str(device), comfy_matmul, f"ComfyUI {_comfy_version()}'s choice on this device")
+    return path
+
+
+def fp8_compute_summary(replies: list[dict]) -> str | None:
+    """The line the host logs once per load from the ranks' ``prepare`` replies; None without fp8 layers."""
+    paths = [r["fp8_compute"]["summary"] for r in replies if r.get("fp8_compute")]
+    return fp8_compute_line(paths) if paths else None
 
 
 def prepare(ctx, payload: dict, tensors: dict) -> dict:
     """Rank op: set ComfyUI up for this rank's device and report the dtypes it would use here.
 
     ``preferred``: what ComfyUI's UNETLoader would pick on this device for this rank's share of the weights;
-    ``manual_cast``: the compute dtype for each candidate storage dtype (None: computes in the storage dtype).
+    ``manual_cast``: the compute dtype for each candidate storage dtype (None: computes in the storage dtype);
+    ``fp8_compute``: how this rank's device computes the file's scaled or quantized fp8 layers (None: it has none).
     """
     device = _setup(ctx.device, payload["flags"])
     import comfy.model_management as mm
@@ -142,16 +259,20 @@ def prepare(ctx, payload: dict, tensors: dict) -> dict:
 
     model_config, sd, _ = detect(payload["checkpoint"])
     supported = list(model_config.supported_inference_dtypes)
+    quant = quantized(model_config)
     forced = payload.get("unet_dtype")
     if forced is not None:
         preferred = getattr(torch, forced)
-    else:   # as comfy.sd.load_diffusion_model_state_dict: a scaled-fp8 file's fp8 says nothing of the compute dtype
-        weight_dtype = None if scaled_fp8(model_config) else comfy.utils.weight_dtype(sd)
+    else:   # as comfy.sd.load_diffusion_model_state_dict: a scaled/quantized file's fp8 says nothing of the compute
+        weight_dtype = None if scaled_fp8(model_config) or quant else comfy.utils.weight_dtype(sd)
         preferred = mm.unet_dtype(device=device, model_params=comfy.utils.calculate_parameters(sd) // ctx.world_size,
                                   supported_dtypes=supported, weight_dtype=weight_dtype)
     candidates = [preferred] if forced is not None else list(dict.fromkeys([preferred, *supported]))
-    return {"preferred": dtype_name(preferred),
-            "manual_cast": {dtype_name(d): dtype_name(mm.unet_manual_cast(d, device, supported)) for d in candidates}}
+    full_precision = fp8_full_precision(model_config, sd)
+    return {"preferred": dtype_name(preferred),   # quantized: ComfyUI computes in its cast of "no weight dtype"
+            "manual_cast": {dtype_name(d): dtype_name(mm.unet_manual_cast(None if quant else d, device, supported))
+                            for d in candidates},
+            "fp8_compute": None if full_precision is None else rank_fp8_compute(device, full_precision).to_dict()}
 
 
 def agree_dtype(replies: list[dict], devices: list[str]) -> tuple[str, str | None]:
@@ -180,11 +301,16 @@ def diffusion_model(checkpoint: str, unet_dtype: str, devices: list[str], flags:
     device = _setup(devices[dist.get_rank()], flags)
     import comfy.model_management as mm
 
-    model_config, sd, _ = detect(checkpoint)
+    model_config, sd, prefix = detect(checkpoint)
     dtype = getattr(torch, unet_dtype)
-    model_config.set_inference_dtype(dtype, mm.unet_manual_cast(dtype, device, model_config.supported_inference_dtypes))
+    quant = quantized(model_config)
+    model_config.set_inference_dtype(dtype, mm.unet_manual_cast(None if quant else dtype, device,
+                                                                model_config.supported_inference_dtypes))
     network = model_config.get_model(sd, "").diffusion_model
-    if scaled_fp8(model_config):
+    if quant:
+        file_keys = {k[len(prefix):] for k in read_header(checkpoint).tensors if k.startswith(prefix)}
+        shard_quantized_layers(network, sd, file_keys)
+    elif scaled_fp8(model_config):
         default_absent_scales(network, sd)
         setattr(network, FORMAT_KEYS, ("scaled_fp8",))   # detection read the marker; it holds no weights
     return network
@@ -209,3 +335,112 @@ def default_absent_scales(network: nn.Module, sd: dict[str, torch.Tensor]) -> li
                 sub.register_buffer(name, torch.ones(param.shape, dtype=param.dtype), persistent=False)
                 kept.append(key)
     return kept
+
+
+def shard_quantized_layers(network: nn.Module, sd: dict[str, torch.Tensor], file_keys: set[str]) -> list[str]:
+    """Make ComfyUI's quantized network (its mixed-precision ops) shardable; returns the quantized layers' names.
+
+    Those ops create a layer's weight only when loaded, so each such layer first gets its parameters from ComfyUI's
+    own loader, on the header's meta tensors: its format, layout and compute path are ComfyUI's. Then each fp8 layer
+    becomes: a plain fp8 ``weight`` (FSDP shards it and all-gathers its bytes), its ``weight_scale`` a buffer every
+    rank holds whole, and, for each forward, ComfyUI's ``QuantizedTensor`` of the gathered bytes and that scale, so
+    ComfyUI's ops (and comfy_kitchen's fp8 kernels on a GPU) compute as on one device. The layers' state dicts name
+    the checkpoint's own keys (a scaled-fp8 file's ``scale_weight``), for the slice loader; format keys that hold no
+    weight become the network's ``FORMAT_KEYS``.
+    """
+    modules = dict(network.named_modules())
+    names = load_layers_on_meta(network, sd)
+    for name in names:
+        _shardable_fp8(modules[name], name, sd, file_keys)
+    consumed = set(network.state_dict())
+    setattr(network, FORMAT_KEYS, tuple(sorted(k for k in file_keys - consumed
+                                               if k == "scaled_fp8" or k.endswith(_FORMAT_SUFFIXES))))
+    return names
+
+
+def load_layers_on_meta(network: nn.Module, sd: dict[str, torch.Tensor]) -> list[str]:
+    """Run ComfyUI's own loader, on the header's meta tensors, for the layers of its mixed-precision ops (which
+    create their weight only when loaded) and every layer with a ``comfy_quant`` entry; returns the names of those
+    whose weight it made a (meta) ``QuantizedTensor``.
+
+    The ranks build on it (``shard_quantized_layers``); on the host's meta model it gives each layer the weight,
+    and so the state-dict keys, stock ComfyUI's model has (weight patches are matched against those).
+    """
+    from comfy.quant_ops import QuantizedTensor
+
+    names = []
+    for name, module in network.named_modules():
+        prefix = f"{name}."
+        builds_weight = getattr(module, "weight", None) is None and f"{prefix}weight" in sd
+        if not name or not (builds_weight or f"{prefix}comfy_quant" in sd):
+            continue
+        _comfy_load_on_meta(module, prefix, sd)
+        if isinstance(module.weight, QuantizedTensor):
+            names.append(name)
+    return names
+
+
+def _comfy_load_on_meta(module: nn.Module, prefix: str, sd: dict[str, torch.Tensor]) -> None:
+    """ComfyUI's ``_load_from_state_dict`` of one layer, on its meta entries.
+
+    Its parameters are registered as they are: accelerate's ``init_empty_weights`` (the meta build) re-creates each
+    registered parameter from its ``__dict__``, which a ``QuantizedTensor`` cannot take.
+    """
+    entries = {k: v for k, v in sd.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+    module.register_parameter = partial(_register_as_is, module)
+    try:
+        module._load_from_state_dict(entries, prefix, {}, True, missing, unexpected, errors)
+    finally:
+        del module.register_parameter
+    if errors:
+        raise ShardingError(f"ComfyUI cannot build layer {prefix.rstrip('.')} of this checkpoint: {'; '.join(errors)}")
+
+
+def _register_as_is(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    module._parameters[name] = param
+
+
+def _shardable_fp8(module: nn.Module, name: str, sd: dict[str, torch.Tensor], file_keys: set[str]) -> None:
+    """One fp8 layer ComfyUI built with a (meta) QuantizedTensor weight, made shardable (``shard_quantized_layers``)."""
+    template = module.weight
+    qdata, scale = template._qdata, sd[f"{name}.weight_scale"]
+    module._parameters["weight"] = nn.Parameter(torch.empty(qdata.shape, dtype=qdata.dtype, device="meta"),
+                                                requires_grad=False)
+    module.register_buffer("weight_scale", torch.ones(scale.shape, dtype=scale.dtype))
+    view_weight_as(module, partial(_as_quantized_tensor, layout=module.layout_type, params=template.params))
+    keys = {"weight": "weight", "weight_scale": _file_key(name, ("scale_weight", "weight_scale"), file_keys)}
+    if module.bias is not None:
+        keys["bias"] = "bias"
+    if getattr(module, "input_scale", None) is not None:
+        keys["input_scale"] = _file_key(name, ("scale_input", "input_scale"), file_keys)
+    module.state_dict = _checkpoint_state_dict(module, keys)
+
+
+def _as_quantized_tensor(module: nn.Module, gathered: torch.Tensor, *, layout: str, params) -> torch.Tensor:
+    """The gathered fp8 rows as ComfyUI's QuantizedTensor, with the layer's replicated scale (no copy)."""
+    from comfy.quant_ops import QuantizedTensor
+
+    if gathered.dtype not in FP8_DTYPES:
+        raise ShardingError(f"a quantized layer received its weight as {gathered.dtype}, not its fp8 bytes: shard "
+                            "ComfyUI's quantized models without a param_dtype")
+    return QuantizedTensor(gathered.detach(), layout, dataclasses.replace(params, scale=module.weight_scale))
+
+
+def _file_key(layer: str, names: tuple[str, ...], file_keys: set[str]) -> str:
+    """The name the checkpoint stores a layer's tensor under (scaled-fp8 files: ``scale_weight``), else the last."""
+    return next((n for n in names if f"{layer}.{n}" in file_keys), names[-1])
+
+
+def _checkpoint_state_dict(module: nn.Module, keys: dict[str, str]):
+    """A ``state_dict`` for ``module`` that lists its tensors under the checkpoint's key names (attribute -> key)."""
+    def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False, **kwargs) -> dict:
+        out = {} if destination is None else destination
+        for attr, key in keys.items():
+            value = getattr(module, attr)
+            out[prefix + key] = value if keep_vars else value.detach()
+        return out
+
+    return state_dict

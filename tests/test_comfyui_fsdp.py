@@ -27,7 +27,6 @@ from comfy_checkpoints import (
 )
 from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui, start_server
 from safetensors.torch import load_file, save_file
-from scaled_fp8_files import write_scaled_fp8
 
 pytestmark = pytest.mark.comfyui
 
@@ -225,7 +224,7 @@ def test_fp8_weights_match_stock(server: ComfyServer) -> None:
     lat = latents(server, run(server, prompt))
     assert max_diff(lat["fsdp_fp8"], lat["stock_fp8"]) <= TOLERANCE
     assert max_diff(lat["stock_fp8"], lat["stock"]) > 10 * TOLERANCE   # fp8 really changed the weights
-    assert "(float8_e4m3fn, compute float32)" in server.log()          # and the ranks really stored fp8
+    assert "(float8_e4m3fn, compute float32;" in server.log()          # and the ranks really stored fp8
 
 
 PATCHES = {  # node, inputs besides the model; one prompt each (stock ComfyUI lets one clone's patch leak into another)
@@ -525,34 +524,3 @@ def test_a_lora_type_the_ranks_cannot_apply_is_refused_by_name(server: ComfyServ
     assert error["node_id"] == "fsdp"
     assert "blocks.0.self_attn.q.weight carries a loha adapter" in error["exception_message"]
     assert "only plain LoRA is supported" in error["exception_message"]
-
-
-
-def _comfyui_version(server: ComfyServer) -> str:
-    return re.search(r'__version__ = "([^"]+)"', (server.comfyui / "comfyui_version.py").read_text()).group(1)
-
-
-def test_scaled_fp8_file_matches_stock_or_is_refused_by_name(server: ComfyServer) -> None:
-    """A ComfyUI scaled-fp8 file (fp8 block weights, per-layer scale_weight and scale_input). ComfyUI 0.3.x: the
-    ranks build it with ComfyUI's scaled-fp8 ops, shard the fp8 rows (gathered as fp8), hold every scale whole, and
-    sample what UNETLoader samples from the same file. Newer ComfyUI, which loads such files as quantized tensors:
-    refused at the loader with the file, the version and the ways out."""
-    scaled = "mgpu_fsdp_wan_fp8_scaled.safetensors"
-    write_scaled_fp8(server.diffusion_models / WAN, server.diffusion_models / scaled)
-    prompt = _pairs_prompt({"stock": ("stock_unet", STEPS), "stock_scaled": ("stock_scaled_unet", STEPS),
-                            "fsdp_scaled": ("fsdp_scaled_unet", STEPS)})
-    prompt["stock_scaled_unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": scaled, "weight_dtype": "default"}}
-    prompt["fsdp_scaled_unet"] = _fsdp_loader(scaled)
-    version = _comfyui_version(server)
-    if not version.startswith("0.3."):
-        error = error_of(run(server, prompt, ok=False))
-        assert error["node_id"] == "fsdp_scaled_unet"
-        assert f"{scaled} is a scaled-fp8 checkpoint" in error["exception_message"]
-        assert f"this ComfyUI ({version})" in error["exception_message"]
-        assert "load it on one device" in error["exception_message"]
-        return
-    log_start = len(server.log())
-    lat = latents(server, run(server, prompt))
-    assert max_diff(lat["fsdp_scaled"], lat["stock_scaled"]) <= TOLERANCE
-    assert max_diff(lat["stock_scaled"], lat["stock"]) > 10 * TOLERANCE   # the fp8 weights really changed it
-    assert f"{scaled} sharded over 2 ranks (cpu, cpu) loaded" in server.log()[log_start:]

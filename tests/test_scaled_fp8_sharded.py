@@ -1,7 +1,7 @@
 """Scaled fp8 under FSDP: per-layer scalar scales are replicated on every rank (FSDP2 cannot shard a scalar) while
-the fp8 weights are sharded and all-gathered as fp8 bytes; ComfyUI 0.3.x's scaled-fp8 files are detected for the
-ranks, newer ComfyUI's (quantized tensors) are refused by name. The end-to-end check against stock UNETLoader is
-``test_comfyui_fsdp.py::test_scaled_fp8_file_matches_stock``."""
+the fp8 weights are sharded and all-gathered as fp8 bytes; ComfyUI 0.3.x's scaled-fp8 files are detected for its
+scaled-fp8 ops, newer ComfyUI converts them to its quantized layers (``test_comfy_quant_sharded.py``). The end-to-end
+check against stock UNETLoader is ``test_comfyui_quant.py::test_scaled_fp8_file_matches_stock``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from scaled_fp8_files import FP8, scaled_fp8_state, write_scaled_fp8
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mgpu.errors import ShardingError
 from mgpu.sharding.fsdp import build_meta, materialize, shard
 from mgpu.sharding.slice_load import load_sharded
 
@@ -111,22 +110,22 @@ def comfy_version() -> str:
 
 @pytest.mark.comfyui
 @pytest.mark.skipif(not HAVE_COMFY, reason="needs a ComfyUI checkout (COMFYUI_PATH)")
-def test_scaled_fp8_file_is_detected_for_scaled_ops_or_refused_by_name(tmp_path: Path) -> None:
+def test_scaled_fp8_file_is_detected_as_this_comfyui_builds_it(tmp_path: Path) -> None:
     """ComfyUI 0.3.x builds scaled-fp8 files with its scaled-fp8 ops, which the ranks run; newer ComfyUI converts
-    them to quantized tensors (convert_old_quants), which cannot be sharded yet: refused before any rank starts,
-    with the version and the ways out."""
+    them to its quantized layers (convert_old_quants: every scaled layer float8_e4m3fn), which the ranks shard."""
     import comfy_checkpoints as cc
 
     tm._import_comfy()
-    from loaders.rank_factory import detect, scaled_fp8
+    from loaders.rank_factory import detect, quantized, quantized_layers, scaled_fp8
 
     path = write_scaled_fp8(cc.write_tiny_wan21_t2v(tmp_path / "wan.safetensors"), tmp_path / "wan_scaled.safetensors")
+    model_config, sd, prefix = detect(str(path))
+    assert type(model_config).__name__ == "WAN21_T2V" and "scaled_fp8" not in sd and prefix == ""
     if comfy_version().startswith("0.3."):
-        model_config, sd, prefix = detect(str(path))
-        assert scaled_fp8(model_config) and model_config.scaled_fp8 == FP8
-        assert type(model_config).__name__ == "WAN21_T2V" and "scaled_fp8" not in sd and prefix == ""
+        assert scaled_fp8(model_config) and model_config.scaled_fp8 == FP8 and not quantized(model_config)
     else:
-        with pytest.raises(ShardingError, match=r"wan_scaled.safetensors is a scaled-fp8 checkpoint.*"
-                                                rf"this ComfyUI \({comfy_version()}\).*load it on one device"):
-            detect(str(path))
-    assert not scaled_fp8(detect(str(tmp_path / "wan.safetensors"))[0])
+        layers = quantized_layers(sd)
+        assert quantized(model_config) and not scaled_fp8(model_config)
+        assert len(layers) == 20 and {c["format"] for c in layers.values()} == {"float8_e4m3fn"}
+    plain = detect(str(tmp_path / "wan.safetensors"))[0]
+    assert not scaled_fp8(plain) and not quantized(plain)

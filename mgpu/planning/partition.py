@@ -440,6 +440,12 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
             continue
         if role == "dit":
             placed = _place_dit(comp, gpus, host, workload, policy, ledger, attempts)
+            if placed is not None:
+                from mgpu.weights.quant import fp8_plan_line   # imports torch, which planning otherwise needs not
+
+                if line := fp8_plan_line(placed.weight_dtype, [(d.id, d.capability) for d in devices
+                                                               if d.id in placed.devices]):
+                    placed.reasons.append(line)
         else:
             # GPUs with the most room left first, then the host.
             order = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index)) + ([host] if host else [])

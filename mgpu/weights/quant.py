@@ -7,10 +7,17 @@ protocol torchao's float8 uses, ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather
 viewed as ``uint8`` (any backend gathers bytes), and after the gather the block's weight is either the fp8 tensor
 itself (the module's own ops cast it, as ComfyUI's do) or, when the unit asks for a compute dtype, the fp8 values
 upcast to it (exact: every fp8 value is representable in bf16, fp16 and fp32).
+
+Layers that compute from a quantized tensor subclass (ComfyUI 0.33's ``QuantizedTensor``: fp8 data and a scale) get
+it for each forward from ``view_weight_as``, built by the caller around the gathered fp8 bytes. Which fp8 compute
+path a device takes, fp8 matmul or dequantizing per layer, is ``fp8_compute_path`` (ComfyUI's rule, as data, so the
+plan, the ranks' reports and the tests share it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +25,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+# Names an fp8 dtype goes by in headers, nodes and plans ("F8_E4M3", "fp8_e4m3fn", "float8_e5m2").
+FP8_NAME_PREFIXES = ("f8_", "fp8_", "float8_")
+# ComfyUI's fp8 matmul (torch._scaled_mm, comfy_kitchen's kernels) needs fp8 tensor cores: Ada (sm_89) and newer.
+FP8_MATMUL_MIN_CAPABILITY = (8, 9)
 
 
 class Fp8Weight(torch.Tensor):
@@ -109,3 +120,87 @@ def store_as(module: nn.Module, dtype: torch.dtype, *, kinds: tuple[type[nn.Modu
             sub.weight = nn.Parameter(sub.weight.data.to(dtype), requires_grad=False)
             count += 1
     return count
+
+
+def view_weight_as(module: nn.Module, make: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+    """During each forward of ``module`` its ``weight`` is ``make(module, weight)``; the weight is put back after.
+
+    For layers that compute from a quantized tensor subclass (ComfyUI's ``QuantizedTensor``): FSDP2 gathers the
+    fp8 rows (``Fp8Weight``) and re-strides whatever the all-gather extension returns to a plain tensor, which would
+    dequantize such a subclass; so the unit's parameter stays the gathered fp8 tensor, and ``make`` wraps it, without
+    a copy, for the one call. Runs inside the unit's forward, after FSDP has set the gathered parameter.
+    """
+    held: list[torch.Tensor] = []
+
+    def before(mod: nn.Module, args: tuple) -> None:
+        held.append(mod._parameters["weight"])
+        mod._parameters["weight"] = make(mod, held[-1])
+
+    def after(mod: nn.Module, args: tuple, output: Any) -> None:
+        if held:   # always_call: also when the forward raised, so the next unshard finds FSDP's own parameter
+            mod._parameters["weight"] = held.pop()
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after, always_call=True)
+
+
+def is_fp8_name(dtype: str | None) -> bool:
+    """Whether a dtype name from a header, a node or a plan is an fp8 one."""
+    return (dtype or "").lower().startswith(FP8_NAME_PREFIXES)
+
+
+@dataclass(frozen=True)
+class Fp8Compute:
+    """How one device computes the fp8 layers of a scaled-fp8 or quantized checkpoint, and why."""
+
+    device: str
+    matmul: bool   # fp8 x fp8 matmul (torch._scaled_mm); False: each layer dequantizes its weight and computes
+    reason: str
+
+    def __str__(self) -> str:
+        how = "torch._scaled_mm" if self.matmul else "dequantize per layer"
+        return f"{how} on {self.device} ({self.reason})"
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "matmul": self.matmul, "reason": self.reason, "summary": str(self)}
+
+
+def fp8_compute_path(device: str, capability: tuple[int, int] | None, *, forced: bool = False,
+                     full_precision: bool = False) -> Fp8Compute:
+    """ComfyUI's choice for fp8 layers (``comfy.model_management.supports_fp8_compute``, ``comfy.ops``), as data.
+
+    fp8 matmul on an NVIDIA GPU of compute ``capability`` >= 8.9, or anywhere ComfyUI's ``--supports-fp8-compute``
+    (``forced``) says so; unless the checkpoint asks for full-precision matmul (scaled-fp8 files with a 2-element
+    ``scaled_fp8`` marker, ``full_precision_matrix_mult`` layers). Everywhere else (CPU, older GPUs, ``capability``
+    None: not an NVIDIA GPU, or a simulated one) each layer dequantizes its weight to the compute dtype and runs a
+    plain matmul.
+    """
+    if full_precision:
+        return Fp8Compute(device, False, "the checkpoint asks for full-precision matmul")
+    if forced:
+        return Fp8Compute(device, True, "--supports-fp8-compute")
+    kind = torch.device(device).type
+    if kind != "cuda" or capability is None:
+        return Fp8Compute(device, False, "no fp8 matmul on a CPU" if kind == "cpu" else
+                          "no NVIDIA compute capability known for it")
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if tuple(capability) < FP8_MATMUL_MIN_CAPABILITY:
+        return Fp8Compute(device, False, f"{sm}: fp8 matmul needs sm_89")
+    return Fp8Compute(device, True, sm)
+
+
+def fp8_compute_line(paths: Iterable[Fp8Compute | str]) -> str:
+    """One line for a log or a plan: ``fp8 compute: torch._scaled_mm on cuda:0 (sm_90)``, equal entries once
+    (paths, or their ``str``: the ranks send them as plain data)."""
+    return "fp8 compute: " + "; ".join(dict.fromkeys(str(p) for p in paths))
+
+
+def fp8_plan_line(weight_dtype: str | None, devices: Iterable[tuple[str, tuple[int, int] | None]]) -> str | None:
+    """The plan's line for an fp8 DiT on ``devices`` (id, capability): None unless ``weight_dtype`` is fp8. Where a
+    GPU computes, the host RAM beside it (offload) only holds the weights."""
+    if not is_fp8_name(weight_dtype):
+        return None
+    devices = list(devices)
+    computing = [d for d in devices if torch.device(d[0]).type != "cpu"] or devices
+    return (f"{fp8_compute_line(fp8_compute_path(device, capability) for device, capability in computing)} "
+            "(ComfyUI's choice for scaled-fp8 and quantized fp8 layers)")
