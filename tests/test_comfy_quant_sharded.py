@@ -235,6 +235,24 @@ def converts_quantized() -> bool:
 needs_comfy = pytest.mark.skipif(not HAVE_COMFY, reason="needs a ComfyUI checkout (COMFYUI_PATH)")
 
 
+def detect_on_0_3(path: Path):
+    """ComfyUI 0.3.x's model config for ``path``, as the ranks would build it."""
+    tm._import_comfy()
+    from loaders.rank_factory import detect
+
+    return detect(str(path))[0]
+
+
+def assert_refused_on_0_3(path: Path) -> None:
+    """ComfyUI 0.3.x does not know quantized files (it would compute with unscaled fp8): refused by name."""
+    tm._import_comfy()
+    from loaders.rank_factory import detect
+
+    with pytest.raises(ShardingError, match=rf"{path.name} is a ComfyUI quantized checkpoint.*"
+                                            rf"this ComfyUI \({comfy_version()}\) does not know"):
+        detect(str(path))
+
+
 def quantized_files(folder: Path) -> dict[str, Path]:
     """A tiny Wan (3 blocks; ffn rows 255: over 2 ranks 128 + 127, padded) as each quantized layout."""
     import comfy_checkpoints as cc
@@ -303,10 +321,14 @@ def test_quantized_files_shard_and_compute_exactly_as_stock(tmp_path: Path) -> N
     stock ComfyUI's output bit for bit on the CPU; every layer's format, layout, compute flag and scale are stock's
     and the same on both ranks after fully_shard; the layer computes from ComfyUI's QuantizedTensor of fp8 bytes;
     its weight rows are sharded (padded: 128 + 127), its scale held whole."""
-    if not converts_quantized():
-        pytest.skip(f"ComfyUI {comfy_version()} builds scaled-fp8 files with its scaled-fp8 ops "
-                    "(test_scaled_fp8_sharded.py) and refuses quantized files (test below)")
     files = quantized_files(tmp_path)
+    if not converts_quantized():   # 0.3.x: scaled-fp8 files get its scaled-fp8 ops (test_scaled_fp8_sharded.py)
+        for kind, path in files.items():
+            if kind == "scaled_fp8":
+                assert detect_on_0_3(path).scaled_fp8 is not None
+            else:
+                assert_refused_on_0_3(path)
+        return
     run_ranks(_comfy_rank, 2, (2, {k: str(p) for k, p in files.items()}, str(tmp_path)), ["tiny_models"],
               RUN_TIMEOUT_S)
     for kind, path in files.items():
@@ -359,8 +381,6 @@ def test_per_row_fp8_scales_are_refused_by_name(tmp_path: Path) -> None:
     tensor), so the ranks refuse it up front rather than fail mid-sampling."""
     import comfy_checkpoints as cc
 
-    if not converts_quantized():
-        pytest.skip("ComfyUI 0.3.x refuses every quantized file (test above)")
     from loaders.rank_factory import detect
 
     state = load_file(cc.write_tiny_wan21_t2v(tmp_path / "wan.safetensors"))
@@ -371,6 +391,9 @@ def test_per_row_fp8_scales_are_refused_by_name(tmp_path: Path) -> None:
         layers[key.removesuffix(".weight")] = {"format": "float8_e4m3fn"}
     path = tmp_path / "wan_rows.safetensors"
     save_file(state, path, metadata={"_quantization_metadata": json.dumps({"layers": layers})})
+    if not converts_quantized():
+        assert_refused_on_0_3(path)
+        return
     with pytest.raises(ShardingError, match=r"float8_e4m3fn with 128 weight_scale values: \d+ layers"):
         detect(str(path))
 
@@ -403,8 +426,9 @@ def test_the_hosts_meta_model_has_stocks_quantized_weights(tmp_path: Path) -> No
     """The host's meta BaseModel of a quantized file (as MGPU Load Diffusion Model builds it) has the weights, and so
     the state-dict keys, shapes and dtypes, of stock ComfyUI's: weight patches are matched against them. ComfyUI's
     mixed-precision layers have no weight until loaded."""
-    if not converts_quantized():
-        pytest.skip("ComfyUI 0.3.x refuses quantized files")
+    if not converts_quantized():   # 0.3.x refuses the file before building any model
+        assert_refused_on_0_3(quantized_files(tmp_path)["float8_e4m3fn"])
+        return
     import comfy.sd
 
     from loaders.rank_factory import detect, load_layers_on_meta
