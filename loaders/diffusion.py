@@ -185,9 +185,6 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
         """ComfyUI calls ``load`` before sampling with the clone that samples: its weight patches (none: the base)
         become what the ranks hold from the next step on; they are sent only when they changed."""
         sharded = self.object_patches[REMOTE_FORWARD].sharded
-        if self.patches and "float8" in (sharded.unet_dtype or ""):
-            raise MgpuError(f"{NODE}: a LoRA (weight patches) on a model stored as {sharded.unet_dtype} on the FSDP "
-                            "ranks is not supported yet; set weight_dtype to default, bf16 or fp16")
         shapes = {k: comfy.utils.get_attr(self.model, k).shape for k in self.patches}
         sharded.set_patches(weight_patches.patch_set(self.patches, self.patches_uuid, shapes, NODE))
 

@@ -242,9 +242,25 @@ def test_comfyui_patches_become_row_ops_or_are_refused_by_name(comfy_patches):
         "a loha adapter": LoHaAdapter(set(), (up, down, None, up, down, None, None, None)),
         "a LoRA with a DoRA scale": LoRAAdapter(set(), (up, down, 4.0, None, torch.ones(1024), None)),
         "a model merge": [(up, None)],
-        "a LoRA whose up (512, 8)": LoRAAdapter(set(), (up[:512], down, 4.0, None, None, None)),
         "a 'model_as_lora' patch": ("model_as_lora", (up,)),
     }
     for what, adapter in refused.items():
         with pytest.raises(MgpuError, match=rf"Loader: the weight {key} carries {re.escape(what)}"):
             weight_patches.patch_set({key: [(1.0, adapter, 1.0, None, None)]}, "uuid", {key: shape}, "Loader")
+
+
+def test_a_lora_for_another_model_is_refused_naming_the_weights_and_the_loader_node(comfy_patches):
+    """A LoRA for another size of the model (a Wan 14B LoRA on Wan 1.3B) or another family: its names match, its
+    shapes do not. Stock ComfyUI logs an error per weight and samples without them; here one error says so."""
+    weight_patches, LoRAAdapter, _ = comfy_patches
+    shapes = {f"diffusion_model.blocks.{i}.fc1.weight": torch.Size((1024, 512)) for i in range(5)}
+    up, down = lora(5120, 5120, seed=1)
+    patches = {key: [(1.0, LoRAAdapter(set(), (up, down, 4.0, None, None, None)), 1.0, None, None)] for key in shapes}
+    patches["diffusion_model.blocks.0.fc1.bias"] = [(1.0, ("diff", (torch.zeros(5120),)), 1.0, None, None)]
+    shapes["diffusion_model.blocks.0.fc1.bias"] = torch.Size((1024,))
+    with pytest.raises(MgpuError) as refused:
+        weight_patches.patch_set(patches, "uuid", shapes, "Loader")
+    text = str(refused.value)
+    assert text.startswith("Loader: 6 of the 6 weights a LoRA patches do not fit this model")
+    assert "diffusion_model.blocks.0.fc1.weight: LoRA up (5120, 8) and down (8, 5120) for a (1024, 512) weight" in text
+    assert "and 3 more" in text and "LoraLoaderModelOnly" in text and "made for another model" in text

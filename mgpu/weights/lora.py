@@ -1,4 +1,5 @@
-"""Weight patches (LoRA and friends) on an FSDP-sharded model: each rank patches only its own rows.
+"""Weight patches (LoRA and friends) on an FSDP-sharded model: each rank patches only its own rows, or, for a weight
+stored in a form that cannot take a row delta (fp8, GGUF, quantized tensors), adds the patch's term in the forward.
 
 Host side: ``PatchedModule`` (a ShardedModule) sends a ``PatchSet`` when it changes, before the next forward.
 Rank side: ``apply`` (the op ``"mgpu.weights.lora:apply"``).
@@ -7,10 +8,14 @@ The host sends the adapter tensors (LoRA up/down, small diffs), never the model:
 file. FSDP2 shards every parameter by dim-0 rows, and row ``i`` of ``up @ down`` is ``up[i] @ down``, so each rank
 adds ``scale * (up[lo:hi] @ down)`` to its local shard and nobody forms the full delta.
 
+A weight whose shard is not a plain fp32/bf16/fp16 tensor (decided by its stored form, not by a list of formats)
+is never written: ``mgpu.weights.lora_forward`` hooks the module that owns it, which adds ``s · up (down x)`` to its
+output, with the whole (small) adapters on every rank.
+
 A patch set replaces the previous one. Each patched shard's original rows are kept (in host RAM, as ComfyUI keeps
 its backups on the offload device) and restored before the next set applies: a changed strength, another LoRA
 stacked, or none at all costs no reload of the base weights, and removing every patch gives back the base bit for
-bit.
+bit; forward hooks are removed (their weights were never touched).
 
 Wire format (plain data; tensors travel through the pool's shared memory): ``payload["patches"]`` maps a
 parameter name of the rank model to the ops applied in order, as ComfyUI's ``calculate_weight`` does, in fp32:
@@ -25,6 +30,7 @@ each optionally with ``"model_scale": strength_model`` (``w *= model_scale`` fir
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +44,10 @@ from mgpu.errors import ShardingError
 from mgpu.ranks.rank import RankContext, Tensors
 from mgpu.sharding.sharded import ShardedModule
 from mgpu.sharding.slice_load import shard_row_range
+from mgpu.weights import lora_forward
 
 BACKUP = "weight_patch_backup"   # in the model's ctx.objects entry: parameter name -> its original local rows (CPU)
-PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HOOKS = "weight_patch_hooks"     # in the same entry: the forward hooks of the patches on quantized weights
 KINDS = ("lora", "diff", "set")
 Ops = list[dict[str, Any]]
 APPLY = "mgpu.weights.lora:apply"
@@ -93,7 +100,9 @@ class PatchedModule(ShardedModule):
                                                      wanted.tensors, timeout=timeout, cancelled=cancelled)]
         self._on_ranks = wanted.key
         if wanted.patches:
-            log.info("weight patches for %d weights sent to the ranks: %d bytes", len(wanted.patches), wanted.nbytes)
+            log.info("weight patches for %d weights sent to the ranks: %d bytes (%d weights stored quantized patched "
+                     "in the forward, %d bytes of fp32 adapters kept per rank)", len(wanted.patches), wanted.nbytes,
+                     replies[0]["at_forward"], replies[0]["forward_bytes"])
         unmatched = sorted(set(wanted.unmatched) | set(replies[0]["unmatched"]))
         if unmatched:
             log.warning("weight patches for %d keys match no weight of the sharded model, not applied: %s",
@@ -107,10 +116,12 @@ class PatchedModule(ShardedModule):
 
 
 def apply(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
-    """Restore the base rows of the previous patch set, then patch this rank's rows with ``payload["patches"]``.
+    """Restore the base rows and remove the forward hooks of the previous patch set, then patch this rank's rows
+    with ``payload["patches"]`` and hook on the patches of weights that cannot take rows.
 
     Everything is checked before any weight changes, so a refused set leaves the model as it was. Returns the
-    names that match no weight (``unmatched``; the host warns once) and the bytes this rank received."""
+    names that match no weight (``unmatched``; the host warns once), how many weights are patched in the forward
+    and the bytes their adapters keep on this rank, and the bytes this rank received."""
     entry = ctx.objects[payload["handle"]]
     model: nn.Module = entry["model"]
     patches: dict[str, Ops] = payload["patches"]
@@ -120,12 +131,18 @@ def apply(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     patches = {name: ops for name, ops in patches.items() if name in targets}
     for name, ops in patches.items():
         _check(name, targets[name], ops, tensors)
+    rows = {name: ops for name, ops in patches.items() if lora_forward.row_patchable(targets[name])}
+    terms = lora_forward.collect(model, {n: ops for n, ops in patches.items() if n not in rows}, targets, tensors)
     backup: dict[str, torch.Tensor] = entry.setdefault(BACKUP, {})
-    restored = _restore(targets, backup, keep=patches.keys())
+    restored = _restore(targets, backup, keep=rows.keys())
+    for handle in entry.pop(HOOKS, []):
+        handle.remove()
     with torch.no_grad():
-        for name, ops in patches.items():
+        for name, ops in rows.items():
             _patch(name, targets[name], ops, tensors, backup)
-    return {"patched": len(patches), "restored": restored, "unmatched": unmatched,
+    entry[HOOKS] = lora_forward.install(model, terms)
+    return {"patched": len(rows), "restored": restored, "unmatched": unmatched,
+            "at_forward": len(patches) - len(rows), "forward_bytes": sum(t.nbytes for t in terms.values()),
             "received_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
@@ -152,11 +169,8 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _check(name: str, target: torch.Tensor, ops: Ops, tensors: Tensors) -> None:
-    """Refuse what would patch wrong: a stored dtype other than fp32/bf16/fp16, a 0-d weight, mismatched shapes."""
-    shape = tuple(target.shape)
-    if target.dtype not in PLAIN_DTYPES:
-        raise ShardingError(f"{name} is stored as {target.dtype} on the ranks: weight patches (LoRA) support "
-                            "fp32/bf16/fp16 shards only; load the model in one of those dtypes")
+    """Refuse what would patch wrong: a 0-d weight, mismatched shapes, an unknown kind."""
+    shape = tuple(lora_forward.value_shape(target))
     if not shape:
         raise ShardingError(f"{name} is a 0-d tensor: weight patches need a weight with rows")
     for op in ops:
@@ -166,7 +180,7 @@ def _check(name: str, target: torch.Tensor, ops: Ops, tensors: Tensors) -> None:
         if kind == "lora":
             up, down = tensors[op["up"]], tensors[op["down"]]
             if not (up.dim() >= 2 and down.dim() >= 2 and up[0].numel() == down.shape[0] and up.shape[0] == shape[0]
-                    and shape[0] * down[0].numel() == target.numel()):
+                    and shape[0] * down[0].numel() == math.prod(shape)):
                 raise ShardingError(f"{name}: LoRA up {tuple(up.shape)} / down {tuple(down.shape)} do not make a "
                                     f"{shape} delta")
         elif tuple(tensors[op[kind]].shape) != shape:
