@@ -33,6 +33,7 @@ import folder_paths
 import torch
 
 from mgpu.errors import CallCancelled, MgpuError, RankFailure
+from mgpu.weights.gguf import is_gguf
 from mgpu.weights.lora import PatchedModule
 from mgpu.sharding.sharded import ModelSpec, ShardedModule
 from mgpu.planning.sizing import size_component
@@ -40,6 +41,8 @@ from mgpu.planning.sizing import size_component
 from . import pools
 from . import transformer_options as remote_options
 from . import weight_patches
+from . import gguf_model
+from .model_files import dit_path
 from .plan_check import add_plan_check
 from .placement import NODE_OF_ROLE, live_devices, resolve
 from .rank_factory import agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized
@@ -69,13 +72,15 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     if sequence_parallel not in SEQUENCE_PARALLEL:
         raise MgpuError(f"{NODE}: sequence_parallel must be one of {', '.join(SEQUENCE_PARALLEL)}, "
                         f"got {sequence_parallel!r}")
-    path = folder_paths.get_full_path("diffusion_models", unet_name)
+    path = dit_path(unet_name)   # ComfyUI's diffusion_models folders, and ComfyUI-GGUF's for .gguf files
     if path is None or not os.path.isfile(path):
         raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
                         f"({', '.join(folder_paths.get_folder_paths('diffusion_models'))}); put the file there and "
                         "refresh (press r in the ComfyUI page), or pick another")
     choice = resolve(device, "dit", plan)
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
+    if is_gguf(path):
+        gguf_model.check_load(unet_name, NODE, choice.strategy, dtype)
     log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
     if choice.strategy == "fsdp":
         devices = pools.fsdp_devices(choice.devices, fsdp_ranks)
@@ -99,8 +104,10 @@ def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
 
     live = {d.id: d for d in live_devices()}
     try:
-        keep, why = keep_gathered(Component("dit", size_component(path), dtype), [live[d] for d in devices],
-                                  Workload())
+        size = size_component(path)
+        if is_gguf(path):   # kept gathered, its blocks are dequantized
+            size = gguf_model.dequantized_size(size)
+        keep, why = keep_gathered(Component("dit", size, dtype), [live[d] for d in devices], Workload())
     except (MgpuError, KeyError) as exc:
         keep, why = False, f"the gathered weights are freed after every step: cannot size the model here ({exc})"
     log.info("%s: no MGPU Plan: %s", NODE, why)

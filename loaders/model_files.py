@@ -179,10 +179,56 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
 
 
 def comfy_folders() -> tuple[ListFiles, FullPath]:
-    """ComfyUI's folder lookups (only inside ComfyUI)."""
+    """ComfyUI's folder lookups (only inside ComfyUI); the DiT's folder lists .gguf files too (``dit_names``)."""
     import folder_paths
 
-    return folder_paths.get_filename_list, folder_paths.get_full_path
+    def list_files(folder: str) -> list[str]:
+        return dit_names() if folder == FOLDERS["dit"] else folder_paths.get_filename_list(folder)
+
+    def full_path(folder: str, name: str) -> str | None:
+        return dit_path(name) if folder == FOLDERS["dit"] else folder_paths.get_full_path(folder, name)
+
+    return list_files, full_path
+
+
+# Where .gguf diffusion models are found: ComfyUI's diffusion_models folders (models/unet included), and the folder
+# ComfyUI-GGUF registers for its loader, if it is installed (it shares those folders unless configured otherwise).
+GGUF_FOLDERS = ("diffusion_models", "unet_gguf")
+
+
+def gguf_names() -> list[str]:
+    """The .gguf files in ``GGUF_FOLDERS``, as paths relative to their folder (subfolders as ComfyUI shows them).
+
+    Read from the folders themselves: the stock diffusion_models list (UNETLoader's) keeps its extensions."""
+    import folder_paths
+
+    names: set[str] = set()
+    for key in GGUF_FOLDERS:
+        if key not in folder_paths.folder_names_and_paths:
+            continue
+        for folder in folder_paths.get_folder_paths(key):
+            files, _ = folder_paths.recursive_search(folder, excluded_dir_names=[".git"])
+            names.update(folder_paths.filter_files_extensions(files, {".gguf"}))
+    return sorted(names)
+
+
+def dit_names() -> list[str]:
+    """What MGPU Load Diffusion Model and MGPU Plan offer: ComfyUI's diffusion_models files plus the .gguf ones."""
+    import folder_paths
+
+    return sorted(set(folder_paths.get_filename_list(FOLDERS["dit"])) | set(gguf_names()))
+
+
+def dit_path(name: str) -> str | None:
+    """The file behind a name ``dit_names`` lists, None if there is none: ComfyUI's lookup in diffusion_models,
+    then (.gguf names only) in ComfyUI-GGUF's folder."""
+    import folder_paths
+
+    keys = GGUF_FOLDERS if name.lower().endswith(".gguf") else GGUF_FOLDERS[:1]
+    for key in keys:
+        if key in folder_paths.folder_names_and_paths and (path := folder_paths.get_full_path(key, name)):
+            return path
+    return None
 
 
 _ROLE_LABEL = {"text_encoder": "text encoder", "dit": "DiT", "vae": "VAE"}

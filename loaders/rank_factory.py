@@ -22,8 +22,9 @@ from torch import nn
 
 from mgpu.errors import MgpuError, ShardingError
 from mgpu.planning.sizing import TensorInfo, read_header
-from mgpu.weights.quant import FP8_DTYPES, Fp8Compute, fp8_compute_line, fp8_compute_path, view_weight_as
 from mgpu.sharding.slice_load import FORMAT_KEYS, SAFETENSORS_DTYPES
+from mgpu.weights.gguf import is_gguf
+from mgpu.weights.quant import FP8_DTYPES, Fp8Compute, fp8_compute_line, fp8_compute_path, view_weight_as
 
 # Flags of the host's ComfyUI that change how the network computes (precision, attention, kernels); the ranks get
 # the same values, so sharded and stock compute agree. Boolean flags, plus ENUM_SET_FLAGS.
@@ -123,10 +124,15 @@ def detect(path: str):
     format (``comfy.utils.convert_old_quants``: per-layer ``comfy_quant`` entries); layers in a format the ranks
     cannot shard are refused here, before any rank starts. ComfyUI 0.3.x builds scaled-fp8 files with its scaled-fp8
     ops instead, and does not know the quantized format: such files are refused there.
+    GGUF files are detected from their own header (``loaders.gguf_model``).
     """
     import comfy.model_detection
     import comfy.utils
 
+    if is_gguf(path):
+        from .gguf_model import detect as detect_gguf
+
+        return detect_gguf(path)
     metadata = read_header(path).metadata
     sd = meta_state_dict(path)
     converts = hasattr(comfy.utils, "convert_old_quants")

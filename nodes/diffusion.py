@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import folder_paths
 from comfy_api.latest import io
 
-from ..loaders import diffusion, placement
+from ..loaders import diffusion, model_files, placement
 from .plan import PlanType
 
 
@@ -19,7 +18,8 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
             description="ComfyUI's diffusion model loader with a device. fsdp shards the model over several GPUs "
                         "(rank processes hold the weights, this process none); the MODEL works with any sampler.",
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models")),
+                io.Combo.Input("unet_name", options=model_files.dit_names(),
+                               tooltip="models/diffusion_models; .gguf files (ComfyUI-GGUF's) shard with fsdp"),
                 io.Combo.Input("weight_dtype", options=list(diffusion.WEIGHT_DTYPES), default="default",
                                tooltip="default: what ComfyUI picks for the device (or the plan's fp8). fp8 halves "
                                        "the weights and, under fsdp, what the ranks exchange"),

@@ -34,8 +34,8 @@ class MgpuPlan(io.ComfyNode):
                         "size, and shows each device's peak memory and headroom. Loaders set to auto follow it.",
             is_output_node=True,
             inputs=[
-                io.Combo.Input("dit", options=folder_paths.get_filename_list(mf.FOLDERS["dit"]),
-                               tooltip="diffusion model (models/diffusion_models)"),
+                io.Combo.Input("dit", options=mf.dit_names(),
+                               tooltip="diffusion model (models/diffusion_models, .gguf included)"),
                 io.Combo.Input("text_encoder", options=_with_none(mf.FOLDERS["text_encoder"]), default=mf.NONE),
                 io.Combo.Input("vae", options=_with_none(mf.FOLDERS["vae"]), default=mf.NONE),
                 _int("width", 16, "output width in pixels"),
@@ -79,7 +79,7 @@ class MgpuPlan(io.ComfyNode):
             dit_weight_dtype=dit_weight_dtype, devices=mf.check_devices(devices), allow_offload=allow_offload,
             prefer_speed=prefer_speed)
         try:
-            plan = mf.make_plan_for(request, folder_paths.get_full_path)
+            plan = mf.make_plan_for(request, mf.comfy_folders()[1])
         except PlanError as exc:
             raise PlanError(f"MGPU Plan: no placement fits.\n{exc}", needs=exc.needs) from None
         except SizingError as exc:

@@ -53,6 +53,16 @@ def test_gpu_check_dry_run_runs_every_section_on_cpu():
 
 
 @pytest.mark.timeout(300)
+def test_quant_gather_bench_reports_each_storage_against_bf16():
+    """bench/bench_quant_gather.py at a small size: fp8, Q8_0 and Q4_K all-gather their stored bytes (1, 34/32 and
+    144/256 bytes a weight against bf16's 2), in one run."""
+    rc, report, err = run_script(str(BENCH / "bench_quant_gather.py"), "--dim", "256", "--layers", "2", "--steps", "1",
+                                 timeout=280)
+    assert rc == 0, err[-3000:]
+    ratios = report["over_bf16"]
+    assert 0.49 < ratios["fp8"] < 0.52 and 0.52 < ratios["Q8_0"] < 0.55 and 0.27 < ratios["Q4_K"] < 0.30, ratios
+
+
 def _work_dirs() -> set[str]:
     return {str(p) for p in Path(tempfile.gettempdir()).glob("mgpu-gpu-check-*")}
 

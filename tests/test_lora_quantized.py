@@ -244,3 +244,47 @@ def test_what_cannot_run_in_the_forward_is_refused_by_name_and_changes_nothing(s
     assert torch.equal(ShardedModule.forward(model, inputs()), before)
     model.set_patches(PatchSet())
 
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+GGUF_LORAS = {   # weight -> (out, in) and its type in gguf_files.ALL_TYPES_LAYOUT
+    "blocks.0.q.weight": (256, 256),       # Q8_0
+    "blocks.0.k.weight": (256, 256),       # Q4_K
+    "blocks.1.ffn.0.weight": (512, 256),   # Q6_K
+    "head.weight": (2, 256),               # Q8_0, 2 rows: none on the third of 3 ranks
+    "embed.weight": (256, 32),             # F16: a plain tensor, rows patched
+    "blocks.1.v.weight": (256, 256),       # BF16 in the file, a plain tensor here: rows patched
+}
+
+
+def test_gguf_weights_take_the_same_forward_path(tmp_path):
+    """A GGUF file (blocks gathered as their bytes, dequantized after the gather): its quantized weights take the
+    LoRA in the forward, its F16/BF16 ones by rows; == the dequantized model with the deltas merged in fp32."""
+    from gguf_files import ALL_TYPES_LAYOUT, QuantStack, reference_model, stack_inputs, write_stack
+
+    path = tmp_path / "stack.gguf"
+    reference = reference_model(QuantStack, write_stack(path, QuantStack(), ALL_TYPES_LAYOUT))
+    pool = RankPool(PoolConfig(devices=["cpu"] * 3, extra_sys_path=[TESTS], call_timeout_s=120))
+    try:
+        model = PatchedModule(pool, ModelSpec(factory="gguf_files:quant_stack", checkpoint=str(path),
+                                              param_dtype="fp32"))
+        x = stack_inputs()
+        base = model(x)
+        loras = {name: lora(*shape, seed=i) for i, (name, shape) in enumerate(GGUF_LORAS.items())}
+        ps = patch_set("gguf", (1.0, loras), diff={"blocks.0.q.bias": (1.0, torch.randn(256) * 0.1)})
+        model.set_patches(ps)
+        assert {r["at_forward"] for r in model.sync_patches()} == {4}   # the Q8_0, Q4_K, Q6_K and Q8_0 weights
+        with torch.no_grad():
+            want = merged(reference, ps)(x)
+        assert (want - base).abs().max() > 0.1 * want.abs().max()
+        assert_close(model(x), want)
+        ps.tensors["set"] = torch.zeros(256, 256)
+        ps.patches["blocks.0.k.weight"] = [{"kind": "set", "set": "set"}]
+        ps.key = "refused"
+        model.set_patches(ps)
+        with pytest.raises(RankFailure, match=r"blocks\.0\.k\.weight is stored as GGUFWeight \(Q4_K\) on the ranks"):
+            model.sync_patches()
+        model.set_patches(PatchSet())
+        assert torch.equal(model(x), base)
+    finally:
+        pool.close()

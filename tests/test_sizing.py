@@ -301,11 +301,16 @@ def test_lying_headers(tmp_path, defect, fragments):
 
 
 @pytest.mark.parametrize("kind, what", [
-    ("zip", "zip archive"), ("pickle", "pickle"), ("gguf", "GGUF"), ("text", "not a safetensors header"),
+    ("zip", "zip archive"), ("pickle", "pickle"), ("text", "not a safetensors header"),
 ])
 def test_not_safetensors(tmp_path, kind, what):
     path = L.write_not_safetensors(tmp_path / f"model.{kind}", kind)
-    _raises(path, "is not a safetensors file", what, "only .safetensors files are accepted")
+    _raises(path, "is not a safetensors file", what, "only .safetensors and .gguf files are accepted")
+
+
+def test_gguf_without_tensors(tmp_path):
+    """GGUF files are sized (tests/test_gguf_sharded.py); one that holds nothing is refused as such."""
+    _raises(L.write_not_safetensors(tmp_path / "model.gguf", "gguf"), "holds no tensors", "re-download it")
 
 
 def test_empty_file(tmp_path):

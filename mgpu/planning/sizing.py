@@ -1,9 +1,12 @@
-"""Size a model component (DiT, text encoder, VAE) from its safetensors headers alone.
+"""Size a model component (DiT, text encoder, VAE) from its safetensors or GGUF headers alone.
 
 Why headers only: planning must run before anything is loaded, on machines whose RAM is smaller than the
 checkpoint. ``safetensors.safe_open`` maps the whole file (``Cannot allocate memory`` for a 28 GB file on a
-24 GB host), so the 8-byte length and the JSON header are read with plain file reads and validated here.
-Nothing is ever unpickled: a ``.ckpt``/``.pt``/``.gguf`` file is refused with a message saying so.
+24 GB host), so the 8-byte length and the JSON header are read with plain file reads and validated here. GGUF files
+(city96's ComfyUI-GGUF quantizations) are read the same way, by our own parser: ``gguf.GGUFReader`` maps the whole
+file and answers a truncated one with numpy errors. Their tensors keep their stored type ("Q8_0", "F32", ...) as
+``TensorInfo.dtype`` and their stored bytes, so plans count what the ranks hold.
+Nothing is ever unpickled: a ``.ckpt``/``.pt`` file is refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8
                           "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"})
 
 _CORRUPT = "the file is truncated or corrupt; re-download it"
-_ONLY_SAFETENSORS = ("only .safetensors files are accepted: download the .safetensors version of this model "
-                     "(or convert it) and point at that")
+_ONLY_SAFETENSORS = ("only .safetensors and .gguf files are accepted: download the .safetensors version of this "
+                     "model (or convert it) and point at that")
 
 
 # ----------------------------------------------------------------------------------------------- headers
@@ -65,14 +68,13 @@ class Header:
     metadata: dict[str, str]
     data_offset: int  # absolute offset of the data section (8 + header length)
     file_size: int
+    format: str = "safetensors"   # or "gguf"
 
 
 def _sniff(head: bytes) -> str:
     """Name the format of a file that is not safetensors, so the message can say what it is."""
     if head.startswith(b"PK\x03\x04"):
         return "it is a zip archive, e.g. a PyTorch .ckpt/.pt/.pth checkpoint"
-    if head.startswith(b"GGUF"):
-        return "it is a GGUF file"
     if head[:1] == b"\x80":
         return "it looks like a pickle file (.ckpt/.pt/.bin)"
     return "its first bytes are not a safetensors header"
@@ -118,11 +120,13 @@ def _tensor_info(path: str, name: str, entry: object, data_offset: int, data_siz
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate one safetensors header with plain reads (no mmap, no tensor data)."""
+    """Read and validate one safetensors (or GGUF) header with plain reads (no mmap, no tensor data)."""
     path = os.fspath(path)
     file_size = _check_path(path)
     with open(path, "rb") as f:
         head = f.read(8)
+        if head.startswith(GGUF_MAGIC):
+            return read_gguf_header(path)
         if len(head) < 8:
             raise SizingError(f"{path} is {file_size} bytes, too short for a safetensors file; {_CORRUPT}.")
         (header_len,) = struct.unpack("<Q", head)
@@ -198,6 +202,168 @@ def read_headers(path: str | os.PathLike) -> list[Header]:
         raise SizingError(f"{path} is a folder with {len(indexes)} *.safetensors.index.json and {len(files)} "
                           "*.safetensors files; point at one .safetensors file or one index file.")
     return [read_header(path)]
+
+
+# ----------------------------------------------------------------------------------------------- GGUF
+
+GGUF_MAGIC = b"GGUF"
+GGUF_ORIG_SHAPE = "comfy.gguf.orig_shape."   # ComfyUI-GGUF's key for a tensor stored reshaped
+_GGUF_ALIGNMENT_KEY = "general.alignment"
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_MAX_DIMS = 8
+_GGUF_MAX_NAME = 1 << 16
+
+
+def gguf_types() -> dict[int, tuple[str, int, int]]:
+    """GGML tensor type id -> (name, elements per block, bytes per block), from gguf-py's own table."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+
+
+class _Cursor:
+    """Sequential little-endian reads of a GGUF header; running past the end of the file is a SizingError."""
+
+    def __init__(self, f, path: str, file_size: int):
+        self.f, self.path, self.file_size, self.pos = f, path, file_size, 0
+
+    def bad(self, detail: str) -> SizingError:
+        return SizingError(f"{self.path}: {detail} (GGUF header, byte {self.pos}); {_CORRUPT}.")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > self.file_size - self.pos:
+            raise self.bad(f"the file ends inside {what}: {n} bytes needed, {self.file_size - self.pos} left")
+        data = self.f.read(n)
+        if len(data) != n:
+            raise self.bad(f"the file ends inside {what}")
+        self.pos += n
+        return data
+
+    def skip(self, n: int, what: str) -> None:
+        if n > self.file_size - self.pos:
+            raise self.bad(f"the file ends inside {what}")
+        self.pos += n
+        self.f.seek(self.pos)
+
+    def unpack(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str, limit: int | None = None) -> str:
+        n = self.unpack("<Q", what)
+        if limit is not None and n > limit:
+            raise self.bad(f"{what} is {n} bytes long (at most {limit})")
+        try:
+            return self.take(n, what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.bad(f"{what} is not UTF-8") from None
+
+    def value(self, vtype: int, what: str):
+        """A scalar or string; arrays of numbers come back as lists, arrays of strings are skipped (None)."""
+        if vtype in _GGUF_SCALARS:
+            return self.unpack(_GGUF_SCALARS[vtype], what)
+        if vtype == _GGUF_STRING:
+            return self.string(what)
+        if vtype != _GGUF_ARRAY:
+            raise self.bad(f"{what} has unknown value type {vtype}")
+        etype, count = self.unpack("<I", what), self.unpack("<Q", what)
+        if etype in _GGUF_SCALARS:
+            size = struct.calcsize(_GGUF_SCALARS[etype])
+            if count * size > self.file_size - self.pos:
+                raise self.bad(f"the file ends inside {what} ({count} items)")
+            if count > 64:   # e.g. a tokenizer's scores: not needed for sizing
+                self.skip(count * size, what)
+                return None
+            return list(struct.unpack(f"<{count}{_GGUF_SCALARS[etype][1]}", self.take(count * size, what)))
+        if etype == _GGUF_STRING:
+            if count > (self.file_size - self.pos) // 8:
+                raise self.bad(f"{what} claims {count} strings, more than the file can hold")
+            for _ in range(count):
+                self.skip(self.unpack("<Q", what), what)
+            return None
+        raise self.bad(f"{what} is an array of unknown value type {etype}")
+
+
+def read_gguf_header(path: str | os.PathLike) -> Header:
+    """Read and validate a GGUF header (version 2 or 3, little-endian) with plain reads; no tensor data is read.
+
+    Shapes are torch's order (GGUF stores them reversed), or ComfyUI-GGUF's ``comfy.gguf.orig_shape.<name>`` when
+    the tensor was stored reshaped; ``dtype`` is the GGML type name; ``start``/``end`` are absolute file offsets.
+    ``metadata`` holds the scalar and string entries (``general.architecture`` names the family).
+    """
+    path = os.fspath(path)
+    file_size = _check_path(path)
+    with open(path, "rb") as f:
+        cur = _Cursor(f, path, file_size)
+        if cur.take(4, "the magic number") != GGUF_MAGIC:
+            raise cur.bad("it does not start with GGUF")
+        version = cur.unpack("<I", "the version")
+        if version not in (2, 3):
+            endian = " (a big-endian file: convert it on a little-endian machine)" \
+                if struct.unpack(">I", struct.pack("<I", version))[0] in (2, 3) else ""
+            raise SizingError(f"{path}: GGUF version {version} is not supported (2 and 3 are){endian}; "
+                              "re-download or re-convert the file.")
+        n_tensors, n_kv = cur.unpack("<Q", "the tensor count"), cur.unpack("<Q", "the metadata count")
+        if n_tensors > file_size // 24 or n_kv > file_size // 12:   # each entry takes at least that many bytes
+            raise cur.bad(f"it claims {n_tensors} tensors and {n_kv} metadata entries, more than the file can hold")
+        metadata: dict[str, object] = {}
+        for i in range(n_kv):
+            key = cur.string(f"metadata key {i}", _GGUF_MAX_NAME)
+            metadata[key] = cur.value(cur.unpack("<I", f"the type of {key!r}"), f"metadata {key!r}")
+        infos = [_gguf_tensor_entry(cur) for _ in range(n_tensors)]
+        alignment = metadata.get(_GGUF_ALIGNMENT_KEY, 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+            raise cur.bad(f"{_GGUF_ALIGNMENT_KEY} is {alignment!r}, not a positive multiple of 8")
+        data_offset = -(-cur.pos // alignment) * alignment
+    tensors = _gguf_tensors(path, infos, metadata, data_offset, alignment, file_size)
+    _check_overlaps(path, tensors)
+    plain = {k: str(v) for k, v in metadata.items() if isinstance(v, (str, int, float)) and not k.startswith(
+        GGUF_ORIG_SHAPE)}
+    return Header(path, tensors, plain, data_offset, file_size, format="gguf")
+
+
+def _gguf_tensor_entry(cur: _Cursor) -> tuple[str, list[int], int, int]:
+    name = cur.string("a tensor name", _GGUF_MAX_NAME)
+    n_dims = cur.unpack("<I", f"the rank of tensor {name!r}")
+    if n_dims > _GGUF_MAX_DIMS:
+        raise cur.bad(f"tensor {name!r} claims {n_dims} dimensions")
+    dims = [cur.unpack("<Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
+    return name, dims, cur.unpack("<I", f"the type of tensor {name!r}"), cur.unpack("<Q", f"the offset of {name!r}")
+
+
+def _gguf_tensors(path: str, infos: list, metadata: dict, data_offset: int, alignment: int,
+                  file_size: int) -> dict[str, TensorInfo]:
+    types = gguf_types()
+    tensors: dict[str, TensorInfo] = {}
+    for name, dims, type_id, offset in infos:
+        def bad(detail: str) -> SizingError:
+            return SizingError(f"{path}: tensor '{name}' {detail}; {_CORRUPT}.")
+
+        if type_id not in types:
+            raise SizingError(f"{path}: tensor '{name}' has GGML type {type_id}, which this gguf package "
+                              "does not know; update gguf (pip install -U gguf) or re-convert the file.")
+        type_name, block, block_bytes = types[type_id]
+        numel = math.prod(dims)
+        if dims and dims[0] % block:
+            raise bad(f"({type_name}) has rows of {dims[0]} elements, not whole blocks of {block}")
+        if name in tensors:
+            raise bad("appears twice")
+        if offset % alignment:
+            raise bad(f"starts at data offset {offset}, not a multiple of the alignment {alignment}")
+        start = data_offset + offset
+        end = start + numel // block * block_bytes
+        if end > file_size:
+            raise SizingError(f"{path}: tensor '{name}' ({type_name} {list(reversed(dims))}) ends at byte {end} but "
+                              f"the file has {file_size}; {_CORRUPT}.")
+        shape = tuple(reversed(dims))
+        orig = metadata.get(GGUF_ORIG_SHAPE + name)
+        if orig is not None:
+            if not isinstance(orig, list) or not all(type(d) is int and d >= 0 for d in orig) \
+                    or math.prod(orig) != numel:
+                raise bad(f"has {GGUF_ORIG_SHAPE}{name} = {orig!r}, not a shape of its {numel} elements")
+            shape = tuple(orig)
+        tensors[name] = TensorInfo(name, type_name, shape, start, end)
+    return tensors
 
 
 # ------------------------------------------------------------------------------------------ components
@@ -486,7 +652,10 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
     bytes is the component and the other parts are reported in ``warnings``.
     """
     path = os.fspath(path)
-    everything = _merge(read_headers(path))
+    headers = read_headers(path)
+    everything = _merge(headers)
+    if not everything:
+        raise SizingError(f"{path} holds no tensors; {_CORRUPT}.")
     if prefix is None:
         prefix = _choose_prefix(everything)
     tensors = _strip(everything, prefix)
@@ -498,7 +667,9 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
     warnings: list[str] = []
     if detection is None:
         sample = ", ".join(sorted(tensors)[:4])
-        warnings.append(f"{path}: not a recognised model family ({len(tensors)} tensors, e.g. {sample}); "
+        arch = headers[0].metadata.get("general.architecture") if headers[0].format == "gguf" else None
+        named = f", GGUF architecture {arch!r}" if arch else ""
+        warnings.append(f"{path}: not a recognised model family ({len(tensors)} tensors{named}, e.g. {sample}); "
                         "sized generically, memory estimates will be rough.")
         detection = _Detection("unknown", "unknown", {})
     warnings += detection.warnings + _other_parts(path, everything, prefix)

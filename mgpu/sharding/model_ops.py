@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mgpu.families import Layout, Layouts, parallelize
 from mgpu.sharding.fsdp import build_meta, compute_dtype_for, materialize, shard
+from mgpu.weights.gguf import GGUFWeight, is_gguf, load_gguf_sharded, wrap_gguf_parameters
 from mgpu.weights.quant import FP8_DTYPES
 from mgpu.ranks.rank import RankContext, Tensors, import_path
 from mgpu.sharding.slice_load import load_sharded
@@ -59,13 +60,15 @@ def _local_bytes(model: nn.Module) -> int:
 
 
 def _gathered_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> int:
-    """Bytes one forward all-gathers in total (every sharded parameter once, in the compute dtype; fp8 as stored).
+    """Bytes one forward all-gathers in total (every sharded parameter once, in the compute dtype; fp8 and GGUF
+    blocks as stored).
 
     Analytic: FSDP2 gathers each unit's padded flat parameters once per forward when it reshards after forward.
     """
     total = 0
     for p in model.parameters():
-        gathered = p.dtype if p.dtype in FP8_DTYPES else param_dtype or p.dtype   # mgpu.weights.quant.Fp8Weight
+        as_stored = p.dtype in FP8_DTYPES or isinstance(p.to_local() if hasattr(p, "to_local") else p, GGUFWeight)
+        gathered = p.dtype if as_stored else param_dtype or p.dtype   # mgpu.weights.quant.Fp8Weight, GGUFWeight
         itemsize = torch.empty((), dtype=gathered).element_size()
         total += p.numel() * itemsize
     return total
@@ -81,6 +84,10 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
     model = build_meta(factory)
     layouts = parallelize(model, ctx.mesh, payload.get("sp_degree", 1))   # before FSDP renames the class
+    checkpoint = payload["checkpoint"]
+    gguf = is_gguf(checkpoint)
+    if gguf:   # its quantized weights become GGUFWeights before FSDP shards them
+        wrap_gguf_parameters(model, checkpoint, payload.get("key_prefix"))
     seconds["build"] = time.perf_counter() - t0
     shard(model, ctx.mesh, blocks=payload.get("blocks"), param_dtype=param_dtype,
           reshard_after_forward=payload.get("reshard_after_forward", True), prefetch=payload.get("prefetch", 1))
@@ -89,7 +96,7 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
             unit.register_forward_pre_hook(lambda module, args: ctx.raise_if_cancelled(), prepend=True)
     materialize(model, ctx.torch_device)
     seconds["shard"] = time.perf_counter() - t0 - seconds["build"]
-    report = load_sharded(model, payload["checkpoint"], prefix=payload.get("key_prefix"))
+    report = (load_gguf_sharded if gguf else load_sharded)(model, checkpoint, prefix=payload.get("key_prefix"))
     seconds["read"] = report.seconds
     model.eval()
     ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}, "layouts": layouts}
