@@ -30,9 +30,14 @@ def test_heads_that_do_not_divide_fall_back_to_the_batch_split_and_say_which_deg
     assert "40 attention heads" in text and "2, 4, 5, 8" in text and "1 of the 3 ranks get no rows" in text
 
 
+def test_ltxv_splits_its_tokens_over_its_32_heads():
+    assert [(d.cfg, d.sp) for d in (parallel.choose(4, 1, 32, "ltxv"), parallel.choose(4, 2, 32, "ltxv"))] == [
+        (1, 4), (2, 2)]
+
+
 def test_families_without_an_adapter_and_sp_off_use_the_batch_split():
-    d = parallel.choose(4, 1, 32, "ltxv")
-    assert (d.cfg, d.sp) == (4, 1) and "ltxv has no sequence-parallel adapter" in " ".join(d.reasons)
+    d = parallel.choose(4, 1, 24, "hunyuan-video")
+    assert (d.cfg, d.sp) == (4, 1) and "hunyuan-video has no sequence-parallel adapter" in " ".join(d.reasons)
     d = parallel.choose(4, 1, 40, "wan2.1-t2v-14b", sequence_parallel=False)
     assert (d.cfg, d.sp) == (4, 1) and "sequence parallelism is off" in " ".join(d.reasons)
 

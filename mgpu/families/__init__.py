@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 # ComfyUI network class -> adapter module (imported on first use). Subclasses (VaceWanModel, ...) differ in their
 # forward and need their own entry.
-ADAPTERS = {"WanModel": "mgpu.families.wan"}
+ADAPTERS = {"WanModel": "mgpu.families.wan",
+            "LTXVModel": "mgpu.families.ltxv"}   # not LTXAVModel (LTX-2 audio+video), a subclass
 
 
 @dataclass(frozen=True)

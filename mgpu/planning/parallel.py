@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from mgpu.planning.devices import Device
 
 # Families with a sequence-parallel adapter (mgpu/families): the family names mgpu.planning.sizing gives, by prefix.
-SP_FAMILIES = ("wan",)
+SP_FAMILIES = ("wan", "ltxv")
 # Effective bytes/s a rank moves per direction in a collective over the group's slowest link (NVLink4 ~450 GB/s
 # peak, PCIe4 x16 ~32 GB/s peak with P2P, about half of that through host memory without it).
 LINK_BYTES_PER_S = {"nvlink": 300e9, "p2p": 20e9, "pcie": 10e9}
