@@ -4,18 +4,24 @@ ComfyUI 0.3.64 loads both on its single main device; its loaders accept a device
 (``load_clip(model_options={"load_device", "offload_device"})``, ``VAE(device=...)``), so a second GPU needs
 no patching of ComfyUI. Its model management accounts memory per ``load_device``, so components on
 different GPUs coexist. When ComfyUI frees them they park in host RAM, never on another GPU.
+
+A text encoder too big for one GPU can have its layers split over several (``loaders.text_encoder_split``), and
+every text encoder this loader returns caches its outputs by prompt (``loaders.conditioning_cache``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from mgpu.errors import MgpuError
+from mgpu.errors import MgpuError, ShardingError
+from mgpu.planning.devices import gpus
 
 from .model_files import VAE_PREFIX_IN_CHECKPOINT
-from .placement import NODE_OF_ROLE, Choice, resolve
+from .placement import AUTO, CPU, NODE_OF_ROLE, Choice, live_devices, resolve
 
 log = logging.getLogger("mgpu")
+
+SPLIT = "split"   # a plan's text encoder strategy: its layers over several devices
 
 
 def clip_types() -> list[str]:
@@ -46,21 +52,100 @@ def _single_device(role: str, choice: Choice):
     return torch.device(choice.devices[0])
 
 
-def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None):
-    """A ComfyUI CLIP on the chosen device; ``names`` are files in text_encoders (two for dual encoders)."""
+def _planned_split(plan):
+    """The plan's text encoder placement when it splits it, else None."""
+    placed = plan.placement("text_encoder") if plan is not None else None
+    return placed if placed is not None and placed.strategy == SPLIT else None
+
+
+def split_devices(spec: str, plan=None, devices=None) -> list[str]:
+    """The devices of the ``split_devices`` input, in order: "auto" = the plan's split, else every GPU; or a comma
+    list. GPUs appear once each; "cpu" entries (a split only in name, to try a workflow without GPUs) are not mixed
+    with GPUs: ComfyUI's own offloading serves a GPU too small better than layers computed on the CPU."""
+    node = NODE_OF_ROLE["text_encoder"]
+    devices = live_devices() if devices is None else devices
+    if spec.strip() == AUTO:
+        planned = _planned_split(plan)
+        if planned is not None:
+            return list(planned.devices)
+        ids = [d.id for d in gpus(devices)]
+        if len(ids) < 2:
+            raise MgpuError(f"{node}: split_devices auto splits over every GPU, and this machine has "
+                            f"{len(ids) or 'no'} GPU{'' if len(ids) == 1 else 's'}; pick one device instead, or list "
+                            "the devices (e.g. cuda:0,cuda:1)")
+        return ids
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    for w in wanted:
+        if w == AUTO:
+            raise MgpuError(f"{node}: split_devices lists devices (e.g. cuda:0,cuda:1) or is just auto; "
+                            f"{w!r} cannot be one of them")
+        resolve(w, "text_encoder", None, devices)   # exists here, else an error naming it and the choices
+    gpu_ids = [w for w in wanted if w != CPU]
+    if len(wanted) < 2:
+        raise MgpuError(f"{node}: split_devices {spec!r} names one device; list two or more to split over, or pick "
+                        "the device itself")
+    if gpu_ids and len(gpu_ids) != len(wanted):
+        raise MgpuError(f"{node}: split_devices {spec!r} mixes cpu with GPUs; list GPUs only (for a GPU too small, "
+                        "pick it alone: ComfyUI then keeps what does not fit in host RAM)")
+    if len(set(gpu_ids)) != len(gpu_ids):
+        raise MgpuError(f"{node}: split_devices {spec!r} names a GPU twice; list each once")
+    return wanted
+
+
+def _load_split(paths: list[str], clip_type: str, devices: list[str], plan):
+    """ComfyUI's CLIP built in host RAM, its encoder's layers then split over ``devices`` (as the plan split them
+    when it did, else by the memory free now)."""
+    import inspect
+
     import comfy.sd
     import folder_paths
     import torch
 
+    from . import text_encoder_split
+
+    node = NODE_OF_ROLE["text_encoder"]
+    host = torch.device("cpu")
+    options = {"load_device": torch.device(devices[0]), "offload_device": host, "initial_device": host}
+    # ComfyUI >= 0.3.7x: a plain ModelPatcher, whose weights are real tensors the split can place
+    extra = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(comfy.sd.load_clip).parameters else {}
+    clip = comfy.sd.load_clip(ckpt_paths=paths, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                              clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options, **extra)
+    planned = _planned_split(plan)
+    shares = [planned.resident_bytes.get(d, 0) for d in devices] if planned and planned.devices == devices else None
+    try:
+        return text_encoder_split.split_clip(clip, devices, shares, node)
+    except ShardingError as e:
+        raise MgpuError(f"{e}; list more devices in split_devices, free memory on them, or pick a smaller (fp8) "
+                        "encoder file") from None
+
+
+def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None, split_spec: str = ""):
+    """A ComfyUI CLIP on the chosen device, or with its layers split over the devices of ``split_spec`` (when not
+    empty; it replaces ``device``) or of a plan that splits it (``device`` "auto"); ``names`` are files in
+    text_encoders (two for dual encoders). Its encodes are cached by prompt (``loaders.conditioning_cache``)."""
+    import comfy.sd
+    import folder_paths
+    import torch
+
+    from . import conditioning_cache
+
+    node = NODE_OF_ROLE["text_encoder"]
     types = clip_types()
     if clip_type not in types:
-        raise MgpuError(f"{NODE_OF_ROLE['text_encoder']}: type {clip_type!r} is not offered by this ComfyUI; "
-                        f"pick one of {', '.join(types)}")
+        raise MgpuError(f"{node}: type {clip_type!r} is not offered by this ComfyUI; pick one of {', '.join(types)}")
     paths = [_path("text_encoder", "text_encoders", n) for n in names]  # before anything is loaded
-    load = _single_device("text_encoder", resolve(device, "text_encoder", plan))
-    options = {"load_device": load, "offload_device": torch.device("cpu")}
-    return comfy.sd.load_clip(ckpt_paths=paths, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                              clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options)
+    choice = None if split_spec.strip() else resolve(device, "text_encoder", plan)
+    if choice is None or choice.strategy == SPLIT:
+        devices = split_devices(split_spec, plan) if choice is None else list(choice.devices)
+        log.info("%s: %s", node, choice.reason if choice else f"split over {', '.join(devices)}, as chosen")
+        clip = _load_split(paths, clip_type, devices, plan)
+    else:
+        load = _single_device("text_encoder", choice)
+        devices = [str(load)]
+        options = {"load_device": load, "offload_device": torch.device("cpu")}
+        clip = comfy.sd.load_clip(ckpt_paths=paths, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                                  clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options)
+    return conditioning_cache.cached(clip, conditioning_cache.encoder_key(paths, clip_type, devices))
 
 
 def vae_state_dict(path: str) -> tuple[dict, dict | None]:

@@ -4,7 +4,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from mgpu.ranks.pool import clean_up_on_sigterm, sweep_stale_dirs
 
-from ..loaders import pools
+from ..loaders import pools, text_encoder_split
 
 from .components import MgpuLoadTextEncoder, MgpuLoadVAE
 from .diffusion import MgpuLoadDiffusionModel
@@ -32,6 +32,7 @@ def _follow_unload_all_models() -> None:
 
     def unload_all_models(*args, **kwargs):
         result = original(*args, **kwargs)
+        text_encoder_split.release_all()   # ComfyUI 0.3.x frees only its main device
         pools.unload_all()
         return result
 

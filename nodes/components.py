@@ -11,6 +11,9 @@ from .plan import PlanType
 
 _DEVICE_TIP = ("auto: where the connected MGPU Plan puts it, else the GPU with most free memory, else the cpu. "
                "The web page labels each device with its free memory.")
+_SPLIT_DEVICES_TIP = ("For an encoder too big for one GPU: the devices to split its layers over, in order "
+                      "(e.g. cuda:0,cuda:1), or auto (the MGPU Plan's split, else every GPU). When set it replaces "
+                      "device; empty: the device above (whose auto also splits when the MGPU Plan does).")
 
 
 # Files and devices are checked when a loader runs, not when the prompt is queued: a queue-time failure only outlines
@@ -33,7 +36,8 @@ class MgpuLoadTextEncoder(io.ComfyNode):
             display_name="MGPU Load Text Encoder",
             category="MGPU",
             description="ComfyUI's text encoder loader with a device: put the encoder on another GPU than the "
-                        "diffusion model, or on the cpu.",
+                        "diffusion model, or on the cpu, or split its layers over several GPUs. Its outputs are "
+                        "cached by prompt, so a prompt queued again does not load the encoder.",
             inputs=[
                 io.Combo.Input("clip_name", options=names),
                 io.Combo.Input("type", options=components.clip_types(), default="wan",
@@ -42,6 +46,8 @@ class MgpuLoadTextEncoder(io.ComfyNode):
                 io.Combo.Input("clip_name2", options=[NONE, *names], default=NONE,
                                tooltip="second file for dual encoders (e.g. hunyuan_video, flux)"),
                 PlanType.Input("plan", optional=True),
+                # last and optional: workflows saved before it load with its default (empty: no split)
+                io.String.Input("split_devices", default="", optional=True, tooltip=_SPLIT_DEVICES_TIP),
             ],
             outputs=[io.Clip.Output()],
         )
@@ -52,9 +58,10 @@ class MgpuLoadTextEncoder(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, clip_name: str, type: str, device: str, clip_name2: str = NONE, plan=None) -> io.NodeOutput:
+    def execute(cls, clip_name: str, type: str, device: str, clip_name2: str = NONE, plan=None,
+                split_devices: str = "") -> io.NodeOutput:
         names = [clip_name] + ([] if clip_name2 == NONE else [clip_name2])
-        return io.NodeOutput(components.load_text_encoder(names, type, device, plan))
+        return io.NodeOutput(components.load_text_encoder(names, type, device, plan, split_devices))
 
 
 class MgpuLoadVAE(io.ComfyNode):

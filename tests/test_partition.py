@@ -88,10 +88,14 @@ def test_two_24gib_gpus_fp8_shard_the_dit_and_split_cfg(wan14b):
     assert_within_budgets(p)
 
 
-def test_two_24gib_gpus_bf16_480p_shards_and_moves_encoder_to_host(wan14b):
+def test_two_24gib_gpus_bf16_480p_shards_and_splits_the_encoder_beside_the_shards(wan14b):
+    # No GPU keeps room for all of UMT5-XXL beside its DiT shard; both together do, and they encode far faster than
+    # the host would. It is freed before sampling.
     p = plan(wan14b, "2x24GiB,cpu=64GiB", workload=SD_81)
     assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1"])
-    assert strategies(p)["text_encoder"] == ("cpu", ["cpu"])
+    te = p.placement("text_encoder")
+    assert (te.strategy, te.devices) == ("split", ["cuda:0", "cuda:1"])
+    assert sum(te.resident_bytes.values()) == te.weight_bytes
     assert_within_budgets(p)
 
 
@@ -295,3 +299,61 @@ def test_fsdp_without_a_plan_keeps_the_gathered_weights_when_they_fit(wan14b):
     assert not keep_gathered(dit, [host, host], SD_81)[0]   # 2 x 28.6 GB + working > 60 GiB of host budget
     big_host = next(d for d in parse_spec("cpu=256GiB") if d.kind == "cpu")
     assert keep_gathered(dit, [big_host, big_host], SD_81)[0]
+
+
+# --- text encoders too big for one GPU: their layers split over several ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma12b(tmp_path_factory):
+    """LTX-2's text encoder: Gemma 3 12B with its vision tower, as google/gemma-3-12b-it ships it (24.4 GB bf16)."""
+    d = tmp_path_factory.mktemp("gemma12b")
+    size = size_component(L.write_safetensors(d / "gemma_3_12B_it.safetensors", L.gemma3_12b(), sparse=True))
+    assert size.total_bytes == pytest.approx(24.4e9, rel=0.01) and size.family == "gemma3-12b"
+    return size
+
+
+def encoder_plan(size, spec, **policy) -> Plan:
+    return make_plan([Component("text_encoder", size)], parse_spec(spec), HD_81, Policy(**policy))
+
+
+def test_gemma3_12b_is_split_over_two_16gib_gpus_with_bytes_per_device(gemma12b):
+    p = encoder_plan(gemma12b, "2x16GiB,cpu=64GiB")
+    te = p.placement("text_encoder")
+    assert (te.strategy, te.devices) == ("split", ["cuda:0", "cuda:1"])
+    first, second = te.resident_bytes["cuda:0"], te.resident_bytes["cuda:1"]
+    assert first + second == te.weight_bytes and abs(first - second) < 0.1 * te.weight_bytes   # equal GPUs: halves
+    (a0, b0), (a1, b1) = te.layers_by_device["cuda:0"], te.layers_by_device["cuda:1"]
+    assert (a0, b1) == (0, 47) and a1 == b0 + 1   # every block once, in order
+    for use in p.usage[:2]:   # freed before sampling: its bytes count in the encode phase only
+        assert use.by_phase["encode"] == te.resident_bytes[use.device] + te.working_bytes[use.device]
+        assert use.by_phase["sample"] == 0
+    assert "layers split in order over 2 GPUs: cuda:0" in p.table()
+    assert_within_budgets(p)
+    assert Plan.from_json(p.to_json()).placement("text_encoder") == te
+
+
+def test_a_split_follows_each_gpus_room_and_is_only_a_last_resort_before_the_host(gemma12b):
+    p = encoder_plan(gemma12b, "cuda:0=24GiB,cuda:1=12GiB,cpu=64GiB")
+    te = p.placement("text_encoder")
+    assert te.strategy == "split" and te.resident_bytes["cuda:0"] > 1.5 * te.resident_bytes["cuda:1"]
+    assert_within_budgets(p)
+    assert strategies(encoder_plan(gemma12b, "1x40GiB,cpu=64GiB"))["text_encoder"] == ("single", ["cuda:0"])
+    # the fewest GPUs that hold it: two of four
+    assert len(encoder_plan(gemma12b, "4x16GiB,cpu=64GiB").placement("text_encoder").devices) == 2
+
+
+def test_an_encoder_kept_through_sampling_holds_its_split_in_every_phase(gemma12b):
+    p = encoder_plan(gemma12b, "2x16GiB,cpu=64GiB", free_text_encoder_before_sampling=False)
+    te = p.placement("text_encoder")
+    assert te.strategy == "split"
+    for use in p.usage[:2]:
+        assert use.by_phase["sample"] == use.by_phase["decode"] == te.resident_bytes[use.device]
+
+
+def test_no_split_fits_then_the_host_and_else_the_numbers(gemma12b):
+    assert strategies(encoder_plan(gemma12b, "2x8GiB,cpu=64GiB"))["text_encoder"] == ("cpu", ["cpu"])
+    with pytest.raises(PlanError) as info:
+        encoder_plan(gemma12b, "2x8GiB,cpu=8GiB")
+    msg = str(info.value)
+    assert "text encoder split over up to 2 GPUs needs 22.7 GiB of weights in all" in msg
+    assert "room for weights: cuda:0" in msg

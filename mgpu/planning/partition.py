@@ -74,7 +74,7 @@ class Placement:
     role: str
     file: str
     family: str
-    strategy: str  # "single" | "fsdp" | "offload" | "cpu"
+    strategy: str  # "single" | "fsdp" | "offload" | "cpu" | "split" (text encoder: its layers over several GPUs)
     devices: list[str]
     weight_dtype: str
     weight_bytes: int
@@ -86,6 +86,7 @@ class Placement:
     sp_degree: int = 1  # FSDP only: ranks splitting each video's tokens (Ulysses)
     reshard_after_forward: bool = True  # FSDP only: False keeps the gathered weights between steps
     reasons: list[str] = field(default_factory=list)
+    layers_by_device: dict[str, list[int]] = field(default_factory=dict)  # split only: [first, last] block per device
 
 
 @dataclass
@@ -403,6 +404,93 @@ def _place_simple(comp: Component, candidates: list[Device], wl: Workload, polic
     return None
 
 
+def split_in_order(sizes: list[int], capacities: list[int]) -> list[int] | None:
+    """The device index of each unit for units placed in order over devices in order: contiguous runs, each
+    device's share of the bytes proportional to its capacity (units go where the boundary falls nearest), none over
+    its capacity (else first fit in order). None when the units do not fit. Shared by the planner (blocks from the
+    header) and the loader (``mgpu.sharding.layer_split``, the module's units)."""
+    n = len(capacities)
+    if not n or sum(sizes) > sum(capacities):
+        return None
+    targets = [sum(sizes) * c / sum(capacities) for c in capacities] if sum(capacities) else [0.0] * n
+    index, used, dev = [], [0] * n, 0
+    for size in sizes:
+        if used[dev] and used[dev] + size / 2 > targets[dev] and dev < n - 1:
+            dev += 1
+        index.append(dev)
+        used[dev] += size
+    if all(u <= c for u, c in zip(used, capacities)):
+        return index
+    index, used, dev = [], [0] * n, 0
+    for size in sizes:
+        while used[dev] + size > capacities[dev]:
+            dev += 1
+            if dev == n:
+                return None
+        index.append(dev)
+        used[dev] += size
+    return index
+
+
+def _encoder_room(dev: str, working: int, policy: Policy, ledger: _Ledger) -> int:
+    """Bytes of encoder weights ``dev`` can still take: its budget less what each phase the weights stay in already
+    holds, and less the working memory in the encode phase."""
+    phases = phases_resident("text_encoder", "split", policy)
+    return min(ledger.budget[dev] - ledger.used[dev][ph] - (working if ph == "encode" else 0) for ph in phases)
+
+
+def _split_text_encoder(comp: Component, by_room: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
+                        attempts: list[str]) -> Placement | None:
+    """A text encoder too big for any one GPU: its layers in order over the fewest GPUs that hold them, each GPU's
+    share of the weights proportional to its room. Each GPU computes its own layers (ComfyUI keeps its reservation
+    on each, as it loads the encoder's part there), and the encoder is freed before sampling like a one-GPU one."""
+    size = comp.size
+    wbytes = weight_bytes(size, comp.weight_dtype)
+    scale = wbytes / size.total_bytes if size.total_bytes else 1.0
+    blocks = [int(b * scale) for b in size.blocks[0].bytes_per_block] if size.blocks else []
+    if len(blocks) < 2 or len(by_room) < 2:
+        return None
+    units = [wbytes - sum(blocks), *blocks]   # embeddings, norms, projections: with the first block
+    working = text_encoder_working_bytes(size, tokens=policy.text_encoder_tokens, batch=2 if wl.cfg else 1)
+    for k in range(2, len(by_room) + 1):
+        group = sorted(by_room[:k], key=lambda d: d.index)
+        index = split_in_order(units, [max(0, _encoder_room(d.id, working, policy, ledger)) for d in group])
+        if index is None:
+            continue
+        resident = {d.id: sum(u for u, i in zip(units, index) if i == j) for j, d in enumerate(group)}
+        need = _need("text_encoder", "split", policy, resident, {d.id: working for d in group})
+        if not ledger.fits(need):
+            continue
+        ledger.commit(need, "text encoder (split)")
+        layers = {d.id: [min(ks), max(ks)] for j, d in enumerate(group)
+                  if (ks := [b for b, i in enumerate(index[1:]) if i == j])}
+        parts = ", ".join(f"{dev} {format_bytes(resident[dev])} (blocks {a}-{b})" for dev, (a, b) in layers.items())
+        reasons = [f"{format_bytes(wbytes)} of weights fit on no one GPU beside what the plan put there: layers split "
+                   f"in order over {k} GPUs: {parts}",
+                   f"each GPU computes its own layers ({format_bytes(working)} working memory on each); the "
+                   f"activations return to {group[0].id} between layers"]
+        if policy.free_text_encoder_before_sampling:
+            reasons.append("freed before sampling on every GPU, so its memory is reused by the DiT")
+        return Placement(role="text_encoder", file=size.path, family=size.family, strategy="split",
+                         devices=[d.id for d in group], weight_dtype=_dtype_name(size, comp.weight_dtype),
+                         weight_bytes=wbytes, resident_bytes=resident, working_bytes={d.id: working for d in group},
+                         reasons=reasons, layers_by_device=layers)
+    rooms = ", ".join(f"{d.id} {format_bytes(max(0, _encoder_room(d.id, working, policy, ledger)))}" for d in by_room)
+    attempts.append(f"text encoder split over up to {len(by_room)} GPUs needs {format_bytes(wbytes)} of weights in "
+                    f"all and {format_bytes(working)} working on each; room for weights: {rooms}")
+    return None
+
+
+def _place_text_encoder(comp: Component, gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
+                        ledger: _Ledger, attempts: list[str]) -> Placement | None:
+    """One GPU (most room first) if one holds it, else its layers split over the fewest GPUs that hold them, else
+    the host: a split on GPUs encodes far faster than the CPU."""
+    by_room = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index))
+    return (_place_simple(comp, by_room, wl, policy, ledger, attempts)
+            or _split_text_encoder(comp, by_room, wl, policy, ledger, attempts)
+            or (_place_simple(comp, [host], wl, policy, ledger, attempts) if host else None))
+
+
 def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, wl: Workload) -> list[str]:
     ways = []
     dit = next((c for c in components if c.role == "dit"), None)
@@ -446,6 +534,8 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
                 if line := fp8_plan_line(placed.weight_dtype, [(d.id, d.capability) for d in devices
                                                                if d.id in placed.devices]):
                     placed.reasons.append(line)
+        elif role == "text_encoder":
+            placed = _place_text_encoder(comp, gpus, host, workload, policy, ledger, attempts)
         else:
             # GPUs with the most room left first, then the host.
             order = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index)) + ([host] if host else [])
