@@ -104,10 +104,8 @@ def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
 
     live = {d.id: d for d in live_devices()}
     try:
-        size = size_component(path)
-        if is_gguf(path):   # kept gathered, its blocks are dequantized
-            size = gguf_model.dequantized_size(size)
-        keep, why = keep_gathered(Component("dit", size, dtype), [live[d] for d in devices], Workload())
+        keep, why = keep_gathered(Component("dit", size_component(path), dtype), [live[d] for d in devices],
+                                  Workload())
     except (MgpuError, KeyError) as exc:
         keep, why = False, f"the gathered weights are freed after every step: cannot size the model here ({exc})"
     log.info("%s: no MGPU Plan: %s", NODE, why)

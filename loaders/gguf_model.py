@@ -11,13 +11,11 @@ dequantizing a Q4 file to bf16 on one GPU would take 3.5 times the memory the fi
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from mgpu.errors import MgpuError, ShardingError
-from mgpu.planning.sizing import ComponentSize, read_gguf_header
-from mgpu.weights.gguf import PLAIN, QUANTIZED, check_supported
+from mgpu.planning.sizing import read_gguf_header
+from mgpu.weights.gguf import PLAIN, check_supported
 
 # The dtype quantized tensors show ComfyUI's detection (it reads their shapes; comfy.utils.weight_dtype counts
 # them as this, so a GPU computes them in bf16 where it can, as ComfyUI-GGUF does).
@@ -66,20 +64,3 @@ def check_load(name: str, node: str, strategy: str, dtype: str | None) -> None:
         raise MgpuError(f"{node}: weight_dtype {dtype} does not apply to the GGUF file {name}: its weights stay as "
                         "their GGUF blocks on the ranks, and weight_dtype picks the dtype they compute in. Pick "
                         "default, bf16, fp16 or fp32")
-
-
-def dequantized_size(size: ComponentSize) -> ComponentSize:
-    """``size`` with its quantized tensors counted as bf16 matrices (as ``weight_bytes`` then recasts them to a
-    compute dtype): what the ranks hold when they keep the gathered weights between steps, since a gathered block
-    is dequantized. Blocks and the rest scale with the total."""
-    quantized = {t: n for t, n in size.bytes_by_dtype.items() if t in QUANTIZED}
-    params = sum(n // QUANTIZED[t][1] * QUANTIZED[t][0] for t, n in quantized.items())
-    total = size.total_bytes - sum(quantized.values()) + 2 * params
-    scale = total / size.total_bytes if size.total_bytes else 1.0
-    by_dtype = {t: n for t, n in size.bytes_by_dtype.items() if t not in quantized}
-    by_dtype["BF16"] = by_dtype.get("BF16", 0) + 2 * params
-    blocks = [dataclasses.replace(g, bytes_per_block=[round(b * scale) for b in g.bytes_per_block])
-              for g in size.blocks]
-    return dataclasses.replace(size, total_bytes=total, bytes_by_dtype=by_dtype, blocks=blocks,
-                               bytes_outside_blocks=round(size.bytes_outside_blocks * scale),
-                               matrix_params=size.matrix_params + params, matrix_bytes=size.matrix_bytes + 2 * params)

@@ -471,16 +471,19 @@ def test_rank_pool_loads_a_gguf_checkpoint_and_reports_gathered_bytes(tmp_path):
 
 
 def test_kept_gathered_a_gguf_counts_as_its_dequantized_weights(tmp_path):
-    """A loader without a plan keeps the gathered weights only if they fit: for a GGUF those are dequantized (bf16
-    here), 3.5 times the stored Q4_K bytes, not the stored bytes."""
-    from loaders.gguf_model import dequantized_size
-    from mgpu.planning.estimates import weight_bytes
+    """Plans (and a loader without one) keep the gathered weights only if they fit: for a GGUF those are dequantized
+    (bf16 here), 3.5 times the stored Q4_K bytes, not the stored bytes; the shards stay the stored bytes."""
+    from mgpu.planning.estimates import Workload, gathered_size, weight_bytes
+    from mgpu.planning.partition import Component, keep_gathered
 
     path = tmp_path / "wan14b-Q4_K.gguf"
     gf.write_sparse_gguf(path, gf.city96_types(cl.wan21_t2v_14b(), "Q4_K"))
     stored = size_component(path)
-    kept = dequantized_size(stored)
+    kept = gathered_size(stored)
     bf16 = cl.layout_bytes(cl.recast(cl.wan21_t2v_14b(), "BF16"))
     assert kept.params == stored.params and abs(kept.total_bytes - bf16) < 0.03 * bf16, (kept.total_bytes, bf16)
     assert sum(kept.blocks[0].bytes_per_block) + kept.bytes_outside_blocks == pytest.approx(kept.total_bytes, 1e-3)
     assert weight_bytes(kept, "float32") > 1.9 * kept.total_bytes   # the compute dtype recasts them
+    gpus = parse_spec("2x24GiB")   # 8 GB of Q4_K blocks would fit kept; the 28.6 GB they dequantize to do not
+    keep, why = keep_gathered(Component("dit", stored), gpus, Workload(width=480, height=272, frames=17))
+    assert not keep and "does not fit" in why

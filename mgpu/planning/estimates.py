@@ -30,11 +30,12 @@ so 13.4 GiB untiled; 4.9 GiB tiled.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from mgpu.errors import SizingError
-from mgpu.planning.sizing import ComponentSize
+from mgpu.planning.sizing import ComponentSize, gguf_types
 
 MiB = 1024**2
 GiB = 1024**3
@@ -297,6 +298,26 @@ def weight_bytes(size: ComponentSize, dtype: str | None) -> int:
         raise SizingError(f"weight dtype {dtype!r} is not known; use one of "
                           f"{', '.join(sorted(set(WEIGHT_ITEMSIZE)))} (or None to keep the stored dtype).")
     return size.total_bytes - size.matrix_bytes + size.matrix_params * WEIGHT_ITEMSIZE[dtype]
+
+
+def gathered_size(size: ComponentSize) -> ComponentSize:
+    """``size`` as a rank holds it with every block gathered: GGUF-quantized tensors are dequantized after the gather
+    (to a 2-byte compute dtype), so they count as bf16 matrices; every other format gathers as stored. Used for the
+    weights kept gathered between steps. Blocks and the rest scale with the total."""
+    blocks = {name: (values, nbytes) for name, values, nbytes in gguf_types().values()
+              if name not in ("F32", "F16", "BF16", "F64")}
+    quantized = {t: n for t, n in size.bytes_by_dtype.items() if t in blocks}
+    if not quantized:
+        return size
+    params = sum(n // blocks[t][1] * blocks[t][0] for t, n in quantized.items())
+    total = size.total_bytes - sum(quantized.values()) + 2 * params
+    scale = total / size.total_bytes if size.total_bytes else 1.0
+    by_dtype = {t: n for t, n in size.bytes_by_dtype.items() if t not in quantized}
+    by_dtype["BF16"] = by_dtype.get("BF16", 0) + 2 * params
+    groups = [dataclasses.replace(g, bytes_per_block=[round(b * scale) for b in g.bytes_per_block]) for g in size.blocks]
+    return dataclasses.replace(size, total_bytes=total, bytes_by_dtype=by_dtype, blocks=groups,
+                               bytes_outside_blocks=round(size.bytes_outside_blocks * scale),
+                               matrix_params=size.matrix_params + params, matrix_bytes=size.matrix_bytes + 2 * params)
 
 
 def weight_itemsize(size: ComponentSize, dtype: str | None) -> int:

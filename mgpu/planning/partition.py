@@ -32,6 +32,7 @@ from mgpu.planning.estimates import (
     dit_tokens,
     dit_working_bytes,
     fsdp_buffer_bytes,
+    gathered_size,
     text_encoder_working_bytes,
     vae_decode_bytes,
     weight_bytes,
@@ -252,7 +253,8 @@ def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Po
     policy = policy or Policy()
     wbytes = weight_bytes(comp.size, comp.weight_dtype)
     resident, working, _ = _fsdp_need(comp, wbytes, wl, _degrees(comp, wl, len(ranks), policy), policy)
-    per_rank = resident + wbytes + working
+    kept = weight_bytes(gathered_size(comp.size), comp.weight_dtype)
+    per_rank = resident + kept + working
     budgets: dict[str, tuple[int, int]] = {}   # device -> (need, budget)
     for d in ranks:
         reserve = policy.host_reserve_bytes if d.kind == "cpu" else policy.reserve_bytes
@@ -263,7 +265,7 @@ def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Po
     if short:
         return False, ("the gathered weights are freed after every step (each step all-gathers the model again): "
                        "keeping them does not fit (" + "; ".join(short) + ")")
-    return True, (f"the gathered weights stay between steps ({format_bytes(wbytes)} per rank; "
+    return True, (f"the gathered weights stay between steps ({format_bytes(kept)} per rank; "
                   + "; ".join(f"{dev} needs {format_bytes(n)} of {format_bytes(b)}" for dev, (n, b) in budgets.items())
                   + ")")
 
@@ -282,7 +284,7 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
         work = {d.id: working for d in group}
         # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
         # the full weights on every rank, so it is chosen only when that fits too.
-        keep = {d.id: resident + wbytes for d in group}
+        keep = {d.id: resident + weight_bytes(gathered_size(size), comp.weight_dtype) for d in group}
         need = _need("dit", "fsdp", policy, keep, work)
         reshard = not ledger.fits(need)
         res = {d.id: resident for d in group} if reshard else keep
