@@ -63,6 +63,27 @@ def test_quant_gather_bench_reports_each_storage_against_bf16():
     assert 0.49 < ratios["fp8"] < 0.52 and 0.52 < ratios["Q8_0"] < 0.55 and 0.27 < ratios["Q4_K"] < 0.30, ratios
 
 
+@pytest.mark.timeout(400)
+def test_sp_bench_measures_the_exchanges_of_a_token_split_step(tmp_path):
+    """bench/bench_sp.py --quick: 1 rank vs 2 splitting the 120 tokens of a cfg-1 step (dim 64, 2 blocks) 1 x 2,
+    equal outputs; the bytes counted at the collectives are those of the exchange: per block 4 all-to-alls (q, k, v,
+    attention output) of the other rank's 60 tokens x 32 of the 64 dims x 4 bytes, the output gather 60 tokens x
+    64 values, and no FSDP all-gather in a step that keeps the gathered weights."""
+    out = tmp_path / "sp.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_sp.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=380, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio 2/1" in proc.stdout and "all-to-alls" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["split"] == [1, 2] and report["max_relative_difference"] <= 1e-4
+    moved = report["bytes_per_step_from_other_ranks"]
+    assert report["all_to_all_calls_per_step"] == 2 * 4
+    assert moved["all_to_all"] == moved["all_to_all_resharded"] == 2 * 4 * 60 * 32 * 4
+    assert moved["output_gather"] == 60 * 64 * 4
+    assert moved["fsdp_all_gather_kept"] == 0 < moved["fsdp_all_gather_resharded"]
+    assert report["step_ratio"] > 0 and all(x > 0 for x in report["activation_bytes"]["live_peak_2"])
+
+
 def _work_dirs() -> set[str]:
     return {str(p) for p in Path(tempfile.gettempdir()).glob("mgpu-gpu-check-*")}
 

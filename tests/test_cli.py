@@ -16,11 +16,11 @@ from mgpu.planning.partition import Plan
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mgpu(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def mgpu(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if k != "MGPU_DEVICES"}
     full_env.update({"PYTHONPATH": str(ROOT), **(env or {})})
     return subprocess.run([sys.executable, "-m", "mgpu", *args], capture_output=True, text=True, env=full_env,
-                          timeout=120)
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,29 @@ def test_demo_shards_and_matches_one_device():
     assert "ranks: 2 on cpu, cpu" in r.stdout and "all-gathered per step" in r.stdout
     # what it prints it does is what it does: no "dit: cpu on cpu" plan before sharding over cpu ranks
     assert "demo: the DiT sharded with FSDP over 2 cpu ranks" in r.stdout and "dit: cpu" not in r.stdout
+    assert "split per step (CFG groups x sequence-parallel ranks, 2 rows per step): 2x1, 2x1" in r.stdout
+    assert "sharded/single" in r.stdout
+
+
+TINY_DEMO = ("--dim", "64", "--heads", "2", "--ffn", "128", "--layers", "2", "--steps", "2")
+
+
+def test_demo_sequence_parallel_splits_the_tokens_of_each_cfg1_step_over_every_rank():
+    """``--parallel sp``: no CFG, one row per step, its 320 tokens split over both ranks, == one device."""
+    r = mgpu("demo", *TINY_DEMO, "--parallel", "sp", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: sharded matches one device" in r.stdout
+    assert "with each step's tokens split over all 2 (Ulysses sequence parallelism), 2 steps without CFG" in r.stdout
+    assert "split per step (CFG groups x sequence-parallel ranks, 1 row per step): 1x2, 1x2" in r.stdout
+    assert "sharded/single" in r.stdout
+
+
+@pytest.mark.timeout(600)
+def test_demo_cfg_and_sequence_parallel_on_4_ranks_is_2_by_2():
+    """``--parallel cfg+sp --ranks 4``: cond and uncond on 2 pairs of ranks, each pair splitting its tokens."""
+    r = mgpu("demo", *TINY_DEMO, "--parallel", "cfg+sp", "--ranks", "4", timeout=500)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: sharded matches one device" in r.stdout
+    assert "cond and uncond on 2 groups of 2 ranks" in r.stdout
+    assert "split per step (CFG groups x sequence-parallel ranks, 2 rows per step): 2x2, 2x2" in r.stdout
+

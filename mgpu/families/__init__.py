@@ -1,7 +1,8 @@
 """Parallelism beyond FSDP for the diffusion networks that support it, one adapter module per family.
 
-The registry is keyed by the network's class name as ComfyUI spells it (``WanModel``); adapters hook ComfyUI's own
-modules on the rank, never import ComfyUI, never copy its code. ``parallelize`` turns the ranks into a 2-D mesh
+The registry is keyed by the network's class name (ComfyUI's ``WanModel``, ``LTXVModel``; diffusers'
+``WanTransformer3DModel``); adapters hook the model's own modules on the rank, never import ComfyUI, never copy
+its code. ``parallelize`` turns the ranks into a 2-D mesh
 ("cfg" x "sp"): the cfg groups split the batch (CFG cond/uncond rows), the ranks of one group split each sample's
 tokens (Ulysses sequence parallelism). The split is chosen per forward from its batch rows (``Layouts``), among
 the degrees the model's heads allow. FSDP still shards the parameters over all the ranks. A family without an
@@ -23,9 +24,9 @@ from mgpu.planning.parallel import best_split
 
 log = logging.getLogger(__name__)
 
-# ComfyUI network class -> adapter module (imported on first use). Subclasses (VaceWanModel, ...) differ in their
-# forward and need their own entry.
-ADAPTERS = {"WanModel": "mgpu.families.wan",
+# Network class -> adapter module (imported on first use). Subclasses (VaceWanModel, ...) differ in their forward
+# and need their own entry.
+ADAPTERS = {"WanModel": "mgpu.families.wan", "WanTransformer3DModel": "mgpu.families.wan_diffusers",
             "LTXVModel": "mgpu.families.ltxv"}   # not LTXAVModel (LTX-2 audio+video), a subclass
 
 
