@@ -118,3 +118,47 @@ def test_demo_cfg_and_sequence_parallel_on_4_ranks_is_2_by_2():
     assert "cond and uncond on 2 groups of 2 ranks" in r.stdout
     assert "split per step (CFG groups x sequence-parallel ranks, 2 rows per step): 2x2, 2x2" in r.stdout
 
+
+# dim and ffn multiples of 256: Q4_K stores rows of whole 256-value super-blocks
+QUANT_DEMO = ("--dim", "256", "--heads", "2", "--ffn", "256", "--layers", "2", "--steps", "2")
+# Bytes all-gathered by the blocks per step, counted at the process group, over the same blocks in bf16: the block
+# Linear weights as stored (fp8 1 byte per value, Q8_0 34/32, Q4_K 144/256) beside their biases, norms and
+# modulation, which gather in the compute dtype (fp32: about +0.02 here). bf16 storage computed in fp32 gathers fp32.
+BLOCK_RATIO = {"bf16": (1.95, 2.05), "fp8": (0.50, 0.55), "fp8-scaled": (0.50, 0.55), "gguf-q8_0": (0.53, 0.58),
+               "gguf-q4_k": (0.28, 0.33)}
+
+
+def _number(pattern: str, text: str) -> float:
+    import re
+
+    found = re.search(pattern, text)
+    assert found, f"{pattern!r} not in:\n{text}"
+    return float(found.group(1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weights,parallel", [("bf16", "cfg"), ("fp8", "cfg"), ("fp8-scaled", "cfg"),
+                                              ("gguf-q8_0", "cfg"), ("gguf-q4_k", "sp")])
+def test_demo_weights_with_lora_match_one_device_and_gather_as_stored(weights, parallel):
+    """``--weights W --lora``: the sharded model (fp32 compute) matches one device holding the same dequantized
+    weights with the LoRA merged in fp32 (<= 1e-4 relative), the LoRA changes the output, plain weights take it in
+    their rows and quantized ones in the forward, and the blocks all-gather their stored bytes. gguf-q4_k runs
+    sequence-parallel: the forward-time LoRA term must add to ``to_v``'s output before the token exchange."""
+    r = mgpu("demo", *QUANT_DEMO, "--weights", weights, "--lora", "--parallel", parallel, timeout=280)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "OK: sharded matches one device" in out and f"weights {weights}:" in out
+    assert _number(r"max \|sharded - single\| = \S+ \(output scale \S+, relative (\S+)\)", out) <= 1e-4
+    assert _number(r"changes the one-device output by \S+ \(relative (\S+)\)", out) > 0.05
+    rows, forward = ("16", "0") if weights == "bf16" else ("0", "16")
+    assert f"{rows} weights patched in their rows, {forward} in the forward" in out
+    ratio = _number(r"the blocks \S+ \S+ = (\S+) x the blocks in bf16", out)
+    low, high = BLOCK_RATIO[weights]
+    assert low <= ratio <= high, (weights, ratio)
+
+
+def test_demo_refuses_gguf_blocks_that_do_not_divide_the_rows():
+    r = mgpu("demo", *TINY_DEMO, "--weights", "gguf-q4_k")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--weights gguf-q4_k" in r.stderr and "--dim 64" in r.stderr and "256" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -206,5 +206,8 @@ def _up_map(module: nn.Module, h: torch.Tensor, up: torch.Tensor) -> torch.Tenso
 
 
 def install(model: nn.Module, terms: dict[str, ModuleTerms]) -> list[RemovableHandle]:
-    """Hook each module's terms on; removing the handles gives back the model as loaded (weights never touched)."""
-    return [model.get_submodule(owner).register_forward_hook(ForwardTerm(t)) for owner, t in terms.items()]
+    """Hook each module's terms on; removing the handles gives back the model as loaded (weights never touched).
+    First among the module's forward hooks: the term adds to the layer's own output, before hooks that reshape it
+    (sequence parallelism's exchange after diffusers Wan's ``to_v``, ``mgpu.families.wan_diffusers``)."""
+    return [model.get_submodule(owner).register_forward_hook(ForwardTerm(t), prepend=True)
+            for owner, t in terms.items()]

@@ -122,6 +122,44 @@ def store_as(module: nn.Module, dtype: torch.dtype, *, kinds: tuple[type[nn.Modu
     return count
 
 
+SCALE_KEY = "scale_weight"   # ComfyUI's scaled-fp8 name for a layer's weight scale (weight = fp8 * scale)
+
+
+def quantize_scaled(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, 0-d float32 scale) with ``weight ~ fp8 * scale``: the absmax maps to the format's largest value,
+    so a weight of any magnitude uses fp8's whole range (unscaled fp8 loses the bits of small weights)."""
+    w = weight.detach().float()
+    scale = (w.abs().max() / torch.finfo(dtype).max).clamp_min(torch.finfo(torch.float32).tiny)
+    return (w / scale).to(dtype), scale.reshape(())
+
+
+def dequantize_scaled(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight * scale_weight``: in the weight's dtype when it arrives upcast (the unit's ``param_dtype``), in the
+    scale's (float32) when it arrives as fp8. The 0-d float32 scale does not promote the product, which is rounded
+    once: bf16 weights equal ``(fp8 * scale).to(bf16)``, the dequantized weights a one-device model would hold."""
+    dtype = module.scale_weight.dtype if weight.dtype in FP8_DTYPES else weight.dtype
+    return weight.to(dtype) * module.scale_weight
+
+
+def store_scaled(module: nn.Module, dtype: torch.dtype, *,
+                 kinds: tuple[type[nn.Module], ...] = (nn.Linear,)) -> int:
+    """Store the weights of ``kinds`` layers as scaled fp8 (ComfyUI's scaled-fp8 idea, plain layers): an fp8
+    ``weight`` and a 0-d float32 ``scale_weight`` buffer, multiplied in each forward; returns how many.
+
+    Build the model with this before sharding it: FSDP shards the fp8 weight and gathers it as fp8 bytes
+    (``Fp8Weight``), every rank holds the scale whole (a buffer: loaded from the checkpoint's ``scale_weight`` key),
+    and ``dequantize_scaled`` runs after the gather, inside the layer's forward (``view_weight_as``).
+    Checkpoint values come from ``quantize_scaled``.
+    """
+    count = store_as(module, dtype, kinds=kinds)
+    for sub in module.modules():
+        if isinstance(sub, kinds) and getattr(sub, "weight", None) is not None and sub.weight.dtype == dtype:
+            sub.register_buffer(SCALE_KEY, torch.ones((), dtype=torch.float32, device=sub.weight.device
+                                                       if not sub.weight.is_meta else "cpu"))
+            view_weight_as(sub, dequantize_scaled)
+    return count
+
+
 def view_weight_as(module: nn.Module, make: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
     """During each forward of ``module`` its ``weight`` is ``make(module, weight)``; the weight is put back after.
 
