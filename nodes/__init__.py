@@ -11,11 +11,12 @@ from .diffusion import MgpuLoadDiffusionModel
 from .plan import MgpuPlan
 from .routes import register_routes
 from .sampler import MgpuFSDPSampler
+from .vae_decode import MgpuVAEDecode
 
 
 class MgpuExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [MgpuPlan, MgpuLoadDiffusionModel, MgpuLoadTextEncoder, MgpuLoadVAE, MgpuFSDPSampler]
+        return [MgpuPlan, MgpuLoadDiffusionModel, MgpuLoadTextEncoder, MgpuLoadVAE, MgpuFSDPSampler, MgpuVAEDecode]
 
 
 

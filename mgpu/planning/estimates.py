@@ -286,6 +286,53 @@ def vae_decode_bytes(size: ComponentSize, wl: Workload, *, tiled: bool, act_byte
     return ours + CUDA_OVERHEAD_BYTES
 
 
+# Live-tensor peak of decoding one Wan 2.1 VAE tile of 8 latent frames (29 frames) at px x px, fp32 on the CPU,
+# measured with bench/memprobe.py's LiveBytes (the weights' own storages not counted): ComfyUI 0.3.64, the larger;
+# 0.33.0's decoder, which steps two latent frames at a time, peaks at 57, 226, 509 and 906 MB. Both grow with the
+# pixels only (0.3.64: 17.5 KB per pixel). vae_tile_bytes x ACTIVATION_SAFETY says 1.75x these.
+MEASURED_WAN21_TILE_PEAKS = {64: 72_254_464, 128: 287_810_560, 192: 646_710_144, 256: 1_148_887_936}
+
+
+def vae_tile_bytes(size: ComponentSize, wl: Workload, *, act_bytes: int = 2, tile_px: int = 512,
+                   tile_frames: int = 64) -> int:
+    """Peak memory of decoding one tile of ComfyUI's tiled decode (VAEDecodeTiled's ``tile_size`` = ``tile_px``,
+    ``temporal_size`` = ``tile_frames``) on the device that decodes it; no weights, no safety factor, no overhead.
+
+    A tile is ``tile_px`` squared (the frame, if smaller) and max(2, tile_frames // vae_t) latent frames, which
+    decode to 1 + vae_t x (latent frames - 1) frames (the video's, if fewer). Per tile:
+      work     as vae_activation_bytes: a causal decoder (Wan) steps through vae_t frames at a time, a non-causal
+               one (LTXV) takes the tile's frames at once
+      output   the decoded tile twice in act_bytes (the steps' outputs and their concatenation) and once in fp32
+               (ComfyUI casts it before it leaves the device)
+      latent   the tile's latent in fp32
+    Measured against ComfyUI's Wan 2.1 decoder: ``MEASURED_WAN21_TILE_PEAKS``.
+    """
+    z, vae_t, vae_s, channels, patch, causal = _dims(size, "vae", "z_channels", "vae_t", "vae_s", "dec_channels",
+                                                     "out_patch", "causal")
+    lat_t = min(latent_shape(size, wl)[0], max(2, tile_frames // vae_t))
+    frames = min(wl.frames, 1 + vae_t * (lat_t - 1))
+    h, w = min(wl.height, tile_px), min(wl.width, tile_px)
+    frames_per_step = min(frames, vae_t) if causal else frames
+    live = VAE_LIVE_TENSORS + (VAE_CAUSAL_CACHE_TENSORS if causal else 0)
+    work = frames_per_step * math.ceil(h / patch) * math.ceil(w / patch) * channels * live * act_bytes
+    output = 3 * frames * h * w * (2 * act_bytes + 4)
+    latent = z * lat_t * math.ceil(h / vae_s) * math.ceil(w / vae_s) * 4
+    return work + output + latent
+
+
+def vae_parallel_decode_bytes(size: ComponentSize, wl: Workload, *, weight_dtype: str | None = None,
+                              act_bytes: int = 2, tile_px: int = 512, tile_frames: int = 64) -> int:
+    """What each device of MGPU VAE Decode needs: its own copy of the VAE weights (``weight_dtype`` as in
+    ``weight_bytes``), one tile at a time (``vae_tile_bytes`` x ACTIVATION_SAFETY) and the CUDA overhead.
+
+    The devices take ComfyUI's tiles in turn and each decoded tile leaves its device at once, for host RAM, where
+    the video is assembled: so this does not grow with the video, unlike ``vae_decode_bytes``, which keeps the
+    whole output on the one decoding device.
+    """
+    tile = vae_tile_bytes(size, wl, act_bytes=act_bytes, tile_px=tile_px, tile_frames=tile_frames)
+    return weight_bytes(size, weight_dtype) + math.ceil(ACTIVATION_SAFETY * tile) + CUDA_OVERHEAD_BYTES
+
+
 def weight_bytes(size: ComponentSize, dtype: str | None) -> int:
     """Bytes of the weights on device when stored as ``dtype`` (None: as in the file).
 

@@ -1,0 +1,175 @@
+"""MGPU VAE Decode in ComfyUI (CPU): the parallel decode equals VAE Decode (Tiled) with the same tile settings, its
+tiles are really decoded by as many networks and threads as devices, Cancel stops it between tiles, a failing device
+names itself, and a bad devices text fails before anything is decoded. "Devices" are cpu entries here (no GPU): the
+split, the copies of the VAE and the threads are those of GPUs.
+
+The numerical checks run inside a fresh ComfyUI interpreter (tests/vae_decode_checks.py); the node itself, through
+POST /prompt of a real server. Skipped without a ComfyUI checkout (COMFYUI_PATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+from comfy_checkpoints import write_wan21_vae
+from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui
+
+pytestmark = pytest.mark.comfyui
+
+TESTS = Path(__file__).resolve().parent
+MARK = "@@RESULT@@"
+VAE = "mgpu_vae_decode_wan.safetensors"
+
+
+def in_comfyui(check: str, folder: Path, timeout: float = 900) -> Any:
+    """``vae_decode_checks.<check>(folder)`` in a fresh interpreter where ComfyUI (first on the path, so its
+    ``nodes`` module wins over this pack's package) runs on the CPU."""
+    comfyui = find_comfyui()
+    if comfyui is None:
+        pytest.skip(SKIP_REASON)
+    code = (f"import sys, json\nsys.path[:0] = [{str(comfyui)!r}, {str(TESTS)!r}, {str(TESTS.parent)!r}]\n"
+            "from comfy.cli_args import args\nargs.cpu = True\nimport vae_decode_checks as checks\n"
+            f"print({MARK!r} + json.dumps(checks.{check}({str(folder)!r})))\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=comfyui, capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)
+    found = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    assert proc.returncode == 0 and found, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(found[-1][len(MARK):])
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> dict:
+    facts = in_comfyui("check_wan_video", tmp_path_factory.mktemp("wan"))
+    print("Wan 2.1 VAE:", json.dumps(facts))
+    return facts
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> dict:
+    return in_comfyui("check_image", tmp_path_factory.mktemp("image"))
+
+
+# ------------------------------------------------------------------------------------------- same result
+
+def test_wan_video_decoded_on_two_devices_equals_vae_decode_tiled(wan):
+    assert wan["tiles"] == 8 and wan["shape"] == [9, 80, 80, 3] and wan["std"] > 0.05
+    assert wan["max_diff_two"] == 0.0   # ComfyUI's own blend of the same tiles: exact
+
+
+def test_wan_video_on_one_device_is_vae_decode_tiled_with_its_own_network(wan):
+    assert wan["max_diff_one"] == 0.0
+    assert wan["split_one"]["tiles_per_network"] == [8] and wan["split_one"]["own_network_decoded"]
+
+
+def test_image_vae_on_two_and_three_devices_equals_vae_decode_tiled(image):
+    """ComfyUI tiles an image latent three times over (three tile shapes), a batch of two item by item."""
+    assert image["tiles"] >= 12 and image["std"] > 0.05
+    assert image["max_diff_two"] == 0.0 and image["max_diff_three"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ split
+
+def test_the_tiles_are_decoded_by_one_network_per_device_at_the_same_time(wan):
+    """Seen from the networks: the VAE's own and one copy (its own weights) each decoded half of the very tiles
+    ComfyUI cuts, each on its own thread, and their decodes overlapped in time."""
+    two = wan["split_two"]
+    assert two["tiles_per_network"] == [4, 4] and two["own_network_decoded"]
+    assert not two["copies_share_weights"] and two["weight_devices"] == ["cpu"]
+    assert two["threads"] == ["mgpu-vae-cpu #1", "mgpu-vae-cpu #2"]
+    assert two["concurrent"]
+    assert sorted(wan["tile_shapes"]) == wan["two_tile_shapes"]
+
+
+def test_progress_goes_through_comfyuis_progress_bar_tile_by_tile(wan):
+    """ComfyUI's progress hook (what sends the node's progress to the page, and checks Cancel) sees the tiles
+    counted up to all 8 (0.33 throttles the updates in between)."""
+    progress = wan["progress"]
+    assert progress[0] == [1, 8] and progress[-1] == [8, 8]
+    assert [v for v, _ in progress] == sorted({v for v, _ in progress}) and {t for _, t in progress} == {8}
+
+
+def test_three_devices_share_the_image_tiles_round_robin(image):
+    tiles, three = image["tiles"], image["split_three"]
+    assert sorted(three["tiles_per_network"]) == sorted(len(range(i, tiles, 3)) for i in range(3))
+    assert len(three["threads"]) == 3 and not three["copies_share_weights"]
+
+
+# --------------------------------------------------------------------------------------- cancel, failures
+
+def test_cancel_stops_between_tiles_and_the_next_run_works(tmp_path):
+    facts = in_comfyui("check_cancel", tmp_path)
+    assert facts["raised"] == "InterruptProcessingException"
+    assert facts["decoded_after_cancel"] <= 2 < facts["tiles"]   # at most the tile each device had begun
+    assert facts["threads_left"] == [] and facts["flag_cleared"]
+    assert facts["next_run_ok"] == [2, 192, 320, 3]
+
+
+def test_a_failing_device_names_itself_and_a_bad_devices_text_fails_before_decoding(tmp_path):
+    facts = in_comfyui("check_failures", tmp_path)
+    assert facts["failing"].startswith("MGPU VAE Decode: cpu #2 failed decoding tile 2 of ")
+    assert "RuntimeError: the copy's device broke; leave it out of devices" in facts["failing"]
+    assert facts["missing"].startswith("MGPU VAE Decode: device 'cuda:3' in devices 'cpu,cuda:3' does not exist")
+    assert "this machine has cpu" in facts["missing"]
+    assert "device 'cpu;cpu'" in facts["garbled"]
+    assert facts["missing_decoded"] == 0 and facts["garbled_decoded"] == 0
+    assert facts["threads_left"] == []
+
+
+# ------------------------------------------------------------------------------------------- the node
+
+@pytest.fixture(scope="module")
+def server(comfyui_server: ComfyServer) -> ComfyServer:
+    if not (comfyui_server.vae / VAE).exists():
+        write_wan21_vae(comfyui_server.vae / VAE)
+    return comfyui_server
+
+
+def test_the_node_offers_vae_decode_tiled_settings_and_a_devices_list(server):
+    info = server.object_info()
+    ours, stock = info["MgpuVAEDecode"], info["VAEDecodeTiled"]
+    assert ours["category"] == "MGPU" and ours["output"] == ["IMAGE"]
+    required = ours["input"]["required"]
+    assert list(required)[:3] == ["samples", "vae", "devices"] and required["devices"][1]["default"] == "auto"
+    for name, spec in stock["input"]["required"].items():
+        if spec[0] == "INT":
+            assert required[name][0] == "INT"
+            assert {k: required[name][1].get(k) for k in ("default", "min", "max", "step")} == \
+                {k: spec[1].get(k) for k in ("default", "min", "max", "step")}, name
+
+
+def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
+    """A Wan latent through MGPU VAE Decode on cpu,cpu and through VAE Decode (Tiled): the same PNGs; a devices
+    text naming a GPU this machine lacks fails the prompt with the node's message."""
+    tiles = {"tile_size": 64, "overlap": 16, "temporal_size": 8, "temporal_overlap": 4}
+    prompt = {
+        "1": {"class_type": "MgpuLoadVAE", "inputs": {"vae_name": VAE, "device": "cpu"}},
+        "2": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 80, "height": 80, "length": 9,
+                                                                  "batch_size": 1}},
+        "3": {"class_type": "MgpuVAEDecode", "inputs": {"samples": ["2", 0], "vae": ["1", 0],
+                                                        "devices": "cpu,cpu", **tiles}},
+        "4": {"class_type": "VAEDecodeTiled", "inputs": {"samples": ["2", 0], "vae": ["1", 0], **tiles}},
+        "5": {"class_type": "SaveImage", "inputs": {"images": ["3", 0], "filename_prefix": "mgpu_vae_decode"}},
+        "6": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "stock_vae_decode"}},
+    }
+    entry = server.wait(server.post_prompt(prompt), timeout=600)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    ours = [server.output_dir / i["filename"] for i in entry["outputs"]["5"]["images"]]
+    stock = [server.output_dir / i["filename"] for i in entry["outputs"]["6"]["images"]]
+    assert len(ours) == len(stock) == 9
+    assert [Image.open(p).tobytes() for p in ours] == [Image.open(p).tobytes() for p in stock]
+
+    prompt["3"]["inputs"]["devices"] = "cpu,cuda:5"
+    del prompt["4"], prompt["6"]
+    entry = server.wait(server.post_prompt(prompt), timeout=600)
+    assert entry["status"]["status_str"] == "error"
+    (err,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert err["node_type"] == "MgpuVAEDecode"
+    assert err["exception_message"].startswith("MGPU VAE Decode: device 'cuda:5' in devices 'cpu,cuda:5' does not")
