@@ -338,12 +338,11 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"load avg {os.getloadavg()[0]:.1f}; cpu ranks x {threads} threads (gloo), weights kept between steps")
     with tempfile.TemporaryDirectory(prefix="mgpu-bench-sp-") as tmp:
-        path = os.path.join(tmp, "wan_bench.safetensors")
-        ckpt = make_checkpoint(cfg, path)
+        ckpt = make_checkpoint(cfg, tmp)
         print(f"model: Wan DiT dim {cfg.dim}, {cfg.heads} heads, {cfg.layers} blocks, ffn {cfg.ffn}, "
-              f"{format_bytes(ckpt)} fp32; {cfg.tokens} tokens per step, 1 row (cfg 1)")
-        one, many = measure(args.ranks, threads, path, cfg, args.steps)
-    result = report(one, many, ckpt)
+              f"{format_bytes(ckpt.nbytes)} fp32; {cfg.tokens} tokens per step, 1 row (cfg 1)")
+        one, many = measure(args.ranks, threads, ckpt.path, cfg, args.steps)
+    result = report(one, many, ckpt.nbytes)
     print_report(result, cfg)
     if args.json:
         with open(args.json, "w") as f:
