@@ -35,8 +35,8 @@ import torch
 from mgpu.errors import CallCancelled, MgpuError, RankFailure
 from mgpu.weights.gguf import is_gguf
 from mgpu.weights.lora import PatchedModule
-from mgpu.sharding.sharded import ModelSpec, ShardedModule
-from mgpu.planning.sizing import size_component
+from mgpu.sharding.sharded import ModelSpec, ShardedModule, first_tensor
+from mgpu.planning.sizing import read_header, size_component
 
 from . import pools
 from . import transformer_options as remote_options
@@ -45,7 +45,8 @@ from . import gguf_model
 from .model_files import dit_path
 from .plan_check import add_plan_check
 from .placement import NODE_OF_ROLE, live_devices, resolve
-from .rank_factory import agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized
+from .rank_factory import (agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized,
+                           refuse_unknown_family)
 
 log = logging.getLogger("mgpu")
 
@@ -77,6 +78,8 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
         raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
                         f"({', '.join(folder_paths.get_folder_paths('diffusion_models'))}); put the file there and "
                         "refresh (press r in the ComfyUI page), or pick another")
+    if path.lower().endswith(".safetensors"):   # on one device too: ComfyUI would build it as another family
+        refuse_unknown_family(path, read_header(path).tensors)
     choice = resolve(device, "dit", plan)
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
     if is_gguf(path):
@@ -248,7 +251,7 @@ class RemoteForward:
         if odd:
             raise MgpuError(f"{self.label}: the network got {', '.join(odd)} (e.g. ControlNet), which cannot be sent "
                             "to the FSDP ranks yet; remove that node, or load the model on one device")
-        x = next(v for v in named.values() if isinstance(v, torch.Tensor))
+        x = first_tensor(list(named.values()))   # LTX-2 (0.33): x is its [video, audio] latents
         if options is not None:
             named["transformer_options"] = remote_options.for_ranks(options, x.shape[0], self.label)
         try:
@@ -258,7 +261,29 @@ class RemoteForward:
             raise pools.explain(exc, f"{self.label}: a denoising step") from exc
         except CallCancelled as exc:
             raise_interrupted(exc, self.label)
-        return out.to(x.device)
+        return [o.to(x.device) for o in out] if isinstance(out, list) else out.to(x.device)
+
+
+# Methods of the network that ComfyUI calls on the host outside its forward: they run on the ranks, which hold the
+# weights (LTX-2's text connectors, from LTXAV.extra_conds and LTXVDurationPredictor, ComfyUI 0.33).
+RANK_METHODS = ("preprocess_text_embeds",)
+
+
+class RemoteMethod:
+    """One of ``RANK_METHODS`` on the host's meta network: runs on the ranks (``ShardedModule.call``)."""
+
+    def __init__(self, sharded: ShardedModule, method: str, label: str):
+        self.sharded, self.method, self.label = sharded, method, label
+
+    def __call__(self, *args, **kwargs):
+        try:
+            out = self.sharded.call(self.method, *args, cancelled=mm.processing_interrupted, **kwargs)
+        except RankFailure as exc:
+            raise pools.explain(exc, f"{self.label}: {self.method}") from exc
+        except CallCancelled as exc:
+            raise_interrupted(exc, self.label)
+        inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        return out.to(inputs[0].device) if inputs and isinstance(out, torch.Tensor) else out
 
 
 def raise_interrupted(exc: CallCancelled, label: str):
@@ -338,6 +363,9 @@ def sharded_patcher(base, sharded: ShardedModule, devices: list[str], label: str
     patcher.rank_devices = tuple(devices)
     signature = inspect.signature(base.diffusion_model._forward)
     patcher.add_object_patch(REMOTE_FORWARD, RemoteForward(sharded, label, signature))
+    for method in RANK_METHODS:   # the network's own attribute, not an object patch: also outside sampling
+        if hasattr(base.diffusion_model, method):
+            setattr(base.diffusion_model, method, RemoteMethod(sharded, method, label))
     patcher.add_object_patch("memory_required", _no_host_memory)
     return patcher
 

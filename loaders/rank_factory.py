@@ -123,7 +123,8 @@ def detect(path: str):
     Newer ComfyUI (0.33) first converts scaled-fp8 files and ``_quantization_metadata`` files to its quantized
     format (``comfy.utils.convert_old_quants``: per-layer ``comfy_quant`` entries); layers in a format the ranks
     cannot shard are refused here, before any rank starts. ComfyUI 0.3.x builds scaled-fp8 files with its scaled-fp8
-    ops instead, and does not know the quantized format: such files are refused there.
+    ops instead, and does not know the quantized format: such files are refused there. So are families this ComfyUI
+    has no model for and would take for another (``NEWER_FAMILIES``: LTX-2 on 0.3.x).
     GGUF files are detected from their own header (``loaders.gguf_model``).
     """
     import comfy.model_detection
@@ -146,6 +147,7 @@ def detect(path: str):
             sd, metadata = comfy.utils.convert_old_quants(sd, "", metadata=metadata)
     else:
         prefix = ""
+    refuse_unknown_family(path, sd)
     detect_kwargs = {"metadata": metadata} if converts else {}
     model_config = comfy.model_detection.model_config_from_unet(sd, "", **detect_kwargs)   # 0.3.x: pops scaled_fp8
     if model_config is None:
@@ -160,6 +162,24 @@ def detect(path: str):
                             "unscaled. Update ComfyUI (0.33 and newer load it, and shard its float8 layers), or use "
                             "the file's bf16/fp16 original")
     return model_config, sd, prefix
+
+
+# Diffusion models older ComfyUI would take for another family: a key only they have -> (name, what it is, ComfyUI's
+# model config class for it in comfy.supported_models, what older ComfyUI takes it for). ComfyUI 0.3.64 detects
+# LTX-2 as LTX-Video (the same adaln key) and would build it without its audio stream.
+NEWER_FAMILIES = {"audio_adaln_single.linear.weight": ("LTX-2", "audio + video", "LTXAV", "LTX-Video")}
+
+
+def refuse_unknown_family(path: str, keys) -> None:
+    """Refuse a checkpoint of a family this ComfyUI has no model for, naming it, before anything is built.
+    ``keys``: the checkpoint's tensor names (prefixed or not)."""
+    import comfy.supported_models
+
+    for key, (name, what, config, mistaken) in NEWER_FAMILIES.items():
+        if not hasattr(comfy.supported_models, config) and any(k == key or k.endswith("." + key) for k in keys):
+            raise ShardingError(f"{path} is an {name} diffusion model ({what}), and this ComfyUI "
+                                f"({_comfy_version()}) has no {name} (its {config} model): it would load the file as "
+                                f"{mistaken}. Update ComfyUI (0.33 runs {name}), or pick another model")
 
 
 def quantized_layers(sd: dict[str, torch.Tensor]) -> dict[str, dict]:

@@ -144,6 +144,105 @@ def ltxv_tiny(layers: int = 3, dtype: str = "BF16", prefix: str = "") -> Layout:
     return ltxv_dit(8, layers, dtype=dtype, prefix=prefix)
 
 
+# -------------------------------------------------------------------------------- LTX-2 (audio + video) DiT
+
+def _adaln(b: _Builder, key: str, dim: int, coefficient: int) -> None:
+    """comfy.ldm.lightricks.model.AdaLayerNormSingle: a 256-wide timestep embedder, then ``coefficient`` x dim."""
+    b.lin(key + ".emb.timestep_embedder.linear_1", dim, 256)
+    b.lin(key + ".emb.timestep_embedder.linear_2", dim, dim)
+    b.lin(key + ".linear", coefficient * dim, dim)
+
+
+def _ltx_attention(b: _Builder, key: str, query: int, context: int, inner: int) -> None:
+    """comfy.ldm.lightricks.model.CrossAttention (RMS q/k norms over all heads, biased projections)."""
+    b.add(key + ".q_norm.weight", inner)
+    b.add(key + ".k_norm.weight", inner)
+    b.lin(key + ".to_q", inner, query)
+    b.lin(key + ".to_k", inner, context)
+    b.lin(key + ".to_v", inner, context)
+    b.lin(key + ".to_out.0", query, inner)
+
+
+def _ltx_ff(b: _Builder, key: str, dim: int) -> None:
+    b.lin(key + ".net.0.proj", 4 * dim, dim)
+    b.lin(key + ".net.2", dim, 4 * dim)
+
+
+def ltx2_av_dit(heads: int = 32, head_dim: int = 128, audio_heads: int = 32, audio_head_dim: int = 64,
+                layers: int = 48, caption_ch: int = 3840, connector_heads: int = 30, connector_head_dim: int = 128,
+                connector_layers: int = 2, registers: int = 128, in_ch: int = 128, audio_in_ch: int = 128,
+                dtype: str = "BF16", prefix: str = "") -> Layout:
+    """comfy.ldm.lightricks.av_model.LTXAVModel (ComfyUI 0.33; LTX-2 19B by default): a video stream (32 x 128) and
+    an audio stream (32 x 64) per block, each with self-, text- and cross-stream attention and a GELU FFN 4x; the two
+    text connectors (Embeddings1DConnector, 30 x 128 = Gemma 3's 3840) turn the text encoder's output into each
+    stream's context. The text cross-attention reads the projected caption at the stream's width."""
+    video, audio, conn = heads * head_dim, audio_heads * audio_head_dim, connector_heads * connector_head_dim
+    b = _Builder(dtype, prefix)
+    b.lin("patchify_proj", video, in_ch)
+    _adaln(b, "adaln_single", video, 6)
+    b.lin("caption_projection.linear_1", video, caption_ch)
+    b.lin("caption_projection.linear_2", video, video)
+    b.lin("audio_patchify_proj", audio, audio_in_ch)
+    _adaln(b, "audio_adaln_single", audio, 6)   # its presence makes ComfyUI's detection say "ltxav"
+    _adaln(b, "av_ca_video_scale_shift_adaln_single", video, 4)
+    _adaln(b, "av_ca_a2v_gate_adaln_single", video, 1)
+    _adaln(b, "av_ca_audio_scale_shift_adaln_single", audio, 4)
+    _adaln(b, "av_ca_v2a_gate_adaln_single", audio, 1)
+    b.lin("audio_caption_projection.linear_1", audio, caption_ch)
+    b.lin("audio_caption_projection.linear_2", audio, audio)
+    for stream in ("audio", "video"):
+        p = f"{stream}_embeddings_connector."
+        for i in range(connector_layers):
+            _ltx_attention(b, f"{p}transformer_1d_blocks.{i}.attn1", conn, conn, conn)
+            _ltx_ff(b, f"{p}transformer_1d_blocks.{i}.ff", conn)
+        b.add(p + "learnable_registers", registers, conn)
+    for i in range(layers):
+        p = f"transformer_blocks.{i}."
+        _ltx_attention(b, p + "attn1", video, video, video)
+        _ltx_attention(b, p + "audio_attn1", audio, audio, audio)
+        _ltx_attention(b, p + "attn2", video, video, video)
+        _ltx_attention(b, p + "audio_attn2", audio, audio, audio)
+        _ltx_attention(b, p + "audio_to_video_attn", video, audio, audio)   # q: video, k/v: audio
+        _ltx_attention(b, p + "video_to_audio_attn", audio, video, audio)   # q: audio, k/v: video
+        _ltx_ff(b, p + "ff", video)
+        _ltx_ff(b, p + "audio_ff", audio)
+        b.add(p + "scale_shift_table", 6, video)
+        b.add(p + "audio_scale_shift_table", 6, audio)
+        b.add(p + "scale_shift_table_a2v_ca_audio", 5, audio)
+        b.add(p + "scale_shift_table_a2v_ca_video", 5, video)
+    b.add("scale_shift_table", 2, video)
+    b.lin("proj_out", in_ch, video)
+    b.add("audio_scale_shift_table", 2, audio)
+    b.lin("audio_proj_out", audio_in_ch, audio)
+    return b.out
+
+
+def ltx2_19b(dtype: str = "BF16", prefix: str = "model.diffusion_model.") -> Layout:
+    """The LTX-2 19B DiT as its checkpoints store it (under ``model.diffusion_model.``)."""
+    return ltx2_av_dit(dtype=dtype, prefix=prefix)
+
+
+# The tiny LTX-2 below is not ComfyUI's default shape, so its file says so in the metadata ``config`` ComfyUI 0.33's
+# detection reads (comfy/model_detection.py: ``{"transformer": {...}}``), as the real files do.
+LTX2_TINY = dict(heads=4, head_dim=16, audio_heads=4, audio_head_dim=8, layers=3, caption_ch=48, connector_heads=3,
+                 connector_head_dim=16, connector_layers=2, registers=128)   # ComfyUI always builds 128
+
+
+def ltx2_tiny_config(dims: dict | None = None) -> dict:
+    """The ``transformer`` config of the metadata that makes ComfyUI build ``ltx2_av_dit(**dims)``."""
+    d = {**LTX2_TINY, **(dims or {})}
+    return {"num_attention_heads": d["heads"], "attention_head_dim": d["head_dim"],
+            "cross_attention_dim": d["heads"] * d["head_dim"], "audio_num_attention_heads": d["audio_heads"],
+            "audio_attention_head_dim": d["audio_head_dim"],
+            "audio_cross_attention_dim": d["audio_heads"] * d["audio_head_dim"], "caption_channels": d["caption_ch"],
+            "connector_num_attention_heads": d["connector_heads"],
+            "connector_attention_head_dim": d["connector_head_dim"], "connector_num_layers": d["connector_layers"]}
+
+
+def ltx2_tiny(dtype: str = "BF16", prefix: str = "model.diffusion_model.") -> Layout:
+    return ltx2_av_dit(**LTX2_TINY, dtype=dtype, prefix=prefix)
+
+
 # ------------------------------------------------------------------------------------- text encoders
 
 def t5_encoder(vocab: int, d_model: int, d_ff: int, layers: int, heads: int = 64, d_kv: int = 64,

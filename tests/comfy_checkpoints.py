@@ -12,6 +12,9 @@ What ComfyUI's detection reads (comfy/model_detection.py, comfy/sd.py at 0.3.64)
   `transformer_blocks.0.attn2.to_k.weight`.shape[0] // 32 (32 heads fixed), cross_attention_dim = its
   shape[1] (must equal 32 * head_dim), layers by counting. in_channels (128) and caption_channels (4096) are
   fixed.
+- LTX-2 DiT (ComfyUI 0.33 only): LTX-Video's keys plus `audio_adaln_single.linear.weight` make it LTXAV; the
+  dims its shapes do not give (heads, the audio stream's, the text connectors') come from the file's metadata
+  `config` ("transformer"), as in the real files, so a tiny one carries them there. ComfyUI 0.3.64 takes it for LTXV.
 - Wan 2.1 VAE: `decoder.middle.0.residual.0.gamma` marks it and ComfyUI always builds dim=96, z_dim=16, so a
   loadable file is full size (126.9 M params, 254 MB in bf16). No smaller one is accepted.
 - UMT5-XXL text encoder: `encoder.block.23.layer.1.DenseReluDense.wi_1.weight` with 4096 columns, and the
@@ -20,6 +23,7 @@ What ComfyUI's detection reads (comfy/model_detection.py, comfy/sd.py at 0.3.64)
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass
@@ -118,6 +122,16 @@ def write_tiny_ltxv(path: str | Path, cfg: LTXVDiTConfig = LTXVDiTConfig(), *,
     return save_checkpoint(path, random_state_dict(ltxv_dit_shapes(cfg), seed, dtype), prefix)
 
 
+def write_tiny_ltx2(path: str | Path, *, prefix: str = "model.diffusion_model.", seed: int = 0,
+                    dtype: torch.dtype = torch.bfloat16) -> Path:
+    """ComfyUI 0.33 detects this as LTXAV (LTX-2: comfy.ldm.lightricks.av_model.LTXAVModel); its dims are not
+    ComfyUI's defaults, so the metadata ``config`` carries them, as the real files carry theirs. ComfyUI 0.3.64 has
+    no LTX-2: it would take the file for LTX-Video."""
+    shapes = _shapes(L.ltx2_tiny(prefix=""))
+    metadata = {"config": json.dumps({"transformer": L.ltx2_tiny_config()})}
+    return save_checkpoint(path, random_state_dict(shapes, seed, dtype), prefix, metadata)
+
+
 def write_wan21_vae(path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Full-size random Wan 2.1 VAE (~254 MB bf16): ComfyUI builds this architecture whatever the file holds."""
     return save_checkpoint(path, random_state_dict(wan21_vae_shapes(), seed, dtype))
@@ -127,5 +141,6 @@ def write_wan21_vae(path: str | Path, *, seed: int = 0, dtype: torch.dtype = tor
 EXPECTED_DETECTION = {
     "wan21_t2v": ("WAN21_T2V", "WAN21", "WanModel"),
     "ltxv": ("LTXV", "LTXV", "LTXVModel"),
+    "ltx2": ("LTXAV", "LTXAV", "LTXAVModel"),   # ComfyUI 0.33 only
     "wan21_vae": ("WanVAE",),
 }

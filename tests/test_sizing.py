@@ -126,6 +126,10 @@ FAMILIES = {
     "ltxv_2b": (L.ltxv_2b, "dit", "ltxv", "transformer_blocks", 28,
                 dict(hidden=2048, heads=32, head_dim=64, layers=28, in_channels=128, vae_t=8, vae_s=32, patch_h=1)),
     "ltxv_13b": (L.ltxv_13b, "dit", "ltxv", "transformer_blocks", 48, dict(hidden=4096, layers=48, cross_dim=4096)),
+    # LTX-2: not "ltxv" (LTX-Video's sequence-parallel adapter and memory rules do not apply to its two streams)
+    "ltx2_19b": (lambda: L.ltx2_19b(prefix=""), "dit", "ltx2-av", "transformer_blocks", 48,
+                 dict(hidden=4096, ffn=16384, heads=32, head_dim=128, layers=48, in_channels=128, audio_hidden=2048,
+                      audio_channels=128, text_dim=3840, cross_dim=4096, text_len=1024, vae_t=8, vae_s=32, patch_h=1)),
     "umt5_xxl": (L.umt5_xxl, "text_encoder", "umt5-xxl", "encoder.block", 24,
                  dict(hidden=4096, ffn=10240, heads=64, layers=24, vocab=256384)),
     "t5_xxl": (L.t5_xxl, "text_encoder", "t5-xxl", "encoder.block", 24, dict(hidden=4096, vocab=32128)),
@@ -399,3 +403,35 @@ def test_diffusers_wan_layout_is_detected(tmp_path):
     assert {k: size.dims[k] for k in ("hidden", "ffn", "layers", "text_dim", "in_channels")} == {
         "hidden": 128, "ffn": 256, "layers": 3, "text_dim": 64, "in_channels": 16}
     assert size.blocks[0].prefix == "blocks" and size.blocks[0].count == 3
+
+
+@pytest.mark.comfyui
+def test_ltx2_layouts_match_comfyuis_ltxav_where_it_has_one():
+    """ComfyUI 0.33 builds LTX-2 (LTXAVModel) with exactly the 19B layout's keys and shapes, and the tiny one's from
+    its metadata config; ComfyUI 0.3.64 has no LTX-2 model at all (its loaders refuse such a file by name)."""
+    comfy = _comfyui_path()
+    if comfy is None:
+        pytest.skip("no ComfyUI checkout (set COMFYUI_PATH)")
+    if not (comfy / "comfy" / "ldm" / "lightricks" / "av_model.py").is_file():
+        assert "LTXAV" not in (comfy / "comfy" / "supported_models.py").read_text()
+        return
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(comfy)!r})
+        import torch
+        import comfy.options
+        comfy.options.enable_args_parsing()
+        sys.argv = ["x", "--cpu"]
+        import comfy.ops
+        import comfy.ldm.lightricks.av_model as av
+        ops = comfy.ops.disable_weight_init
+        with torch.device("meta"):
+            models = {{"19b": av.LTXAVModel(operations=ops), "tiny": av.LTXAVModel(**{L.ltx2_tiny_config()!r},
+                                                                                  num_layers=3, operations=ops)}}
+        print(json.dumps({{n: {{k: list(v.shape) for k, v in m.state_dict().items()}} for n, m in models.items()}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, layout in {"19b": L.ltx2_19b(prefix=""), "tiny": L.ltx2_tiny(prefix="")}.items():
+        assert {k: list(s) for k, (s, _) in layout.items()} == theirs[name], name

@@ -547,6 +547,33 @@ def _detect_ltxv(t: dict[str, TensorInfo]) -> _Detection | None:
     return _Detection("dit", "ltxv", dims)
 
 
+def _detect_ltx2(t: dict[str, TensorInfo]) -> _Detection | None:
+    """LTX-2 DiT (ComfyUI 0.33's LTXAV, comfy/ldm/lightricks/av_model.py): an LTX-Video-shaped video stream beside an
+    audio stream in every block, plus the two text connectors. ComfyUI tells it from LTX-Video by the audio AdaLN.
+
+    Its own family name: LTX-Video's sequence-parallel adapter and memory rules (``ltxv``) do not apply. The video
+    stream sizes the activations (the audio stream's ~25 tokens a second are a rounding error beside the video's);
+    heads are ComfyUI's default of 32 (files that differ say so in their metadata, not their shapes). The processed
+    text context is the connectors' 1024 tokens (they pad with learnt registers)."""
+    if "audio_adaln_single.linear.weight" not in t or "patchify_proj.weight" not in t:
+        return None
+    hidden, in_ch = t["patchify_proj.weight"].shape
+    audio, audio_in = t["audio_patchify_proj.weight"].shape if "audio_patchify_proj.weight" in t else (0, 0)
+    ff = t.get("transformer_blocks.0.ff.net.0.proj.weight")
+    audio_ff = t.get("transformer_blocks.0.audio_ff.net.0.proj.weight")
+    to_k = t.get("transformer_blocks.0.attn2.to_k.weight")
+    registers = t.get("video_embeddings_connector.learnable_registers")
+    heads = 32
+    dims = dict(hidden=hidden, ffn=ff.shape[0] if ff else 4 * hidden, heads=heads, head_dim=hidden // heads,
+                layers=_count(t, "transformer_blocks."), in_channels=in_ch,
+                out_channels=t["proj_out.weight"].shape[0] if "proj_out.weight" in t else in_ch,
+                audio_hidden=audio, audio_ffn=audio_ff.shape[0] if audio_ff else 4 * audio, audio_channels=audio_in,
+                text_dim=registers.shape[1] if registers else 3840, cross_dim=to_k.shape[1] if to_k else hidden,
+                text_len=max(1024, registers.shape[0] if registers else 0), patch_t=1, patch_h=1, patch_w=1,
+                z_channels=in_ch, vae_t=8, vae_s=32)
+    return _Detection("dit", "ltx2-av", dims)
+
+
 def _detect_t5(t: dict[str, TensorInfo]) -> _Detection | None:
     """T5 / UMT5 encoders in ComfyUI's layout (comfy/text_encoders/t5.py): encoder.block.N + shared."""
     q = t.get("encoder.block.0.layer.0.SelfAttention.q.weight")
@@ -610,8 +637,8 @@ def _detect_ltxv_vae(t: dict[str, TensorInfo]) -> _Detection | None:
     return _Detection("vae", "ltxv-vae", dims)
 
 
-_DETECTORS = (_detect_wan, _detect_diffusers_wan, _detect_ltxv, _detect_t5, _detect_gemma, _detect_wan_vae,
-              _detect_ltxv_vae)
+_DETECTORS = (_detect_wan, _detect_diffusers_wan, _detect_ltx2, _detect_ltxv, _detect_t5, _detect_gemma,
+              _detect_wan_vae, _detect_ltxv_vae)   # LTX-2 before LTX-Video: it has LTX-Video's keys too
 
 
 def _detect(tensors: dict[str, TensorInfo]) -> _Detection | None:

@@ -114,6 +114,9 @@ def _resolve(ref: dict, tensors: Tensors, cache: dict[str, torch.Tensor], device
         return {k: _resolve(r, tensors, cache, device, rows) for k, r in ref["d"].items()}
     if "chunks" in ref:
         return _chunk_rows(_resolve(ref["chunks"], tensors, cache, device, rows), *rows)
+    if "l" in ref:   # a list or tuple holding tensors (LTX-2's [video, audio] latents)
+        values = [_resolve(r, tensors, cache, device, rows) for r in ref["l"]]
+        return tuple(values) if ref["tuple"] else values
     return ref["v"]
 
 
@@ -128,16 +131,32 @@ def _chunk_rows(values: Any, batch: int, lo: int, hi: int) -> Any:
 
 
 def _rows(value: Any, batch: int, lo: int, hi: int, batched: bool) -> Any:
+    if batched and isinstance(value, (list, tuple)):   # each of its tensors by its own dim 0, as the host marked it
+        return type(value)(_rows(v, batch, lo, hi, True) for v in value)
     if batched and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
         return value[lo:hi]
     return value
 
 
-def _output_tensor(out: Any) -> torch.Tensor:
-    """Diffusion models return a tensor, a tuple whose first item is the prediction, or an object with ``sample``."""
+def _output(out: Any) -> torch.Tensor | list[torch.Tensor]:
+    """Diffusion models return a tensor, a tuple whose first item is the prediction, an object with ``sample``, or
+    (ComfyUI 0.33's LTX-2, as ComfyUI's ``_apply_model`` reads it) a list of several tensors: one per stream."""
+    if isinstance(out, (tuple, list)) and len(out) > 1 and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out)
     if isinstance(out, (tuple, list)):
         out = out[0]
     return getattr(out, "sample", out)
+
+
+def _to_host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to("cpu") if device.type != "cpu" else t
+
+
+def _answer(out: torch.Tensor | list[torch.Tensor], device: torch.device) -> tuple[dict, Tensors]:
+    """The reply payload entries and tensors of a forward's output: ``out``, or ``out.i`` per stream."""
+    if isinstance(out, list):
+        return {"streams": len(out)}, {f"out.{i}": _to_host(t, device) for i, t in enumerate(out)}
+    return {}, {"out": _to_host(out, device)}
 
 
 def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
@@ -164,13 +183,35 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
               for k, r in payload["kwargs"].items()}
     try:
         with torch.no_grad():   # not inference_mode: FSDP2 bumps version counters (crashes at world size 1)
-            out = _output_tensor(entry["model"](*args, **kwargs))
+            out = _output(entry["model"](*args, **kwargs))
     except Exception:
         _clean_after_failed_forward(ctx, entry)
         raise
     if not answers:
         return {"rows": [0, 0], "layout": [layout.cfg, layout.sp]}, {}
-    return {"rows": [lo, hi], "layout": [layout.cfg, layout.sp]}, {"out": out.to("cpu") if ctx.torch_device.type != "cpu" else out}
+    extra, outputs = _answer(out, ctx.torch_device)
+    return {"rows": [lo, hi], "layout": [layout.cfg, layout.sp], **extra}, outputs
+
+
+def call(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
+    """Run ``payload["method"]`` of the model on the whole input, the root unit's parameters gathered for it (its
+    FSDP hooks only run around ``forward``), then resharded as before; rank 0 answers."""
+    entry = ctx.objects[payload["handle"]]
+    model = entry["model"]
+    whole = (0, 0, 0)
+    args = [_resolve(r, tensors, {}, ctx.torch_device, whole) for r in payload["args"]]
+    kwargs = {k: _resolve(r, tensors, {}, ctx.torch_device, whole) for k, r in payload["kwargs"].items()}
+    model.unshard()
+    try:
+        with torch.no_grad():
+            out = getattr(model, payload["method"])(*args, **kwargs)
+    finally:
+        model.reshard()
+    if ctx.rank != 0:
+        return {}, {}
+    if isinstance(out, torch.Tensor):
+        return {}, {"out": _to_host(out, ctx.torch_device)}
+    return {"out": out}, {}
 
 
 def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:

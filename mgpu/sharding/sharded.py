@@ -57,6 +57,20 @@ class PerChunk:
     value: Any
 
 
+def _holds_tensor(values: list | tuple) -> bool:
+    return any(isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) and _holds_tensor(v) for v in values)
+
+
+def first_tensor(values: list | tuple) -> torch.Tensor:
+    """The first tensor among ``values``, looking into lists and tuples (the batch is its dim 0)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+        if isinstance(v, (list, tuple)) and _holds_tensor(v):
+            return first_tensor(v)
+    raise ValueError("no tensor among the arguments: nothing tells the batch size")
+
+
 def _digest(t: torch.Tensor) -> str:
     """Content hash of a tensor: xxh3-128 hashes 16 MB in ~1.5 ms, where blake2b takes ~20 ms, every step."""
     t = t.detach().to("cpu").contiguous()
@@ -134,11 +148,14 @@ class ShardedModule:
         """Run the sharded forward; the batch (dim 0 of the first tensor) is split over the ranks.
 
         A tensor argument is split with it when its dim 0 equals the batch; anything else reaches every rank whole.
-        A dict argument travels entry by entry (tensors through shared memory), whole, except its ``PerChunk`` entries.
+        So is each tensor of a list or tuple argument (ComfyUI 0.33's LTX-2 gets its video and audio latents, and
+        their timesteps, as pairs). A dict argument travels entry by entry (tensors through shared memory), whole,
+        except its ``PerChunk`` entries. A model that answers with a list of tensors (one per stream) gets the list,
+        each stream's rows joined.
         """
         if not self.loaded:
             self.load(cancelled=cancelled)
-        batch = next(a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)).shape[0]
+        batch = first_tensor([*args, *kwargs.values()]).shape[0]
         tensors: dict[str, torch.Tensor] = {}
         payload: dict[str, Any] = {"handle": self.handle, "batch": batch, "cache_put": {}, "batched": [],
                                    "split": self.spec.split_batch}
@@ -149,6 +166,12 @@ class ShardedModule:
                 return {"d": {k: ref(f"{name}.{k}", v, nested=True) for k, v in value.items()}}
             if isinstance(value, PerChunk):
                 return {"chunks": ref(name, value.value, nested=True)}
+            if isinstance(value, (list, tuple)) and _holds_tensor(value):   # split on the ranks item by item
+                if not nested and any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch
+                                      for v in value):
+                    payload["batched"].append(name)
+                return {"l": [ref(f"{name}.{i}", v, nested=True) for i, v in enumerate(value)],
+                        "tuple": isinstance(value, tuple)}
             if not isinstance(value, torch.Tensor):
                 return {"v": value}
             if not nested and value.dim() > 0 and value.shape[0] == batch:
@@ -176,8 +199,34 @@ class ShardedModule:
             log.info("%s: %d batch rows per step split %d (CFG/batch) x %d (sequence) over %d ranks",
                      self.spec.checkpoint, batch, *split, len(replies))
         self.split = split or None
-        parts = sorted((tuple(r.payload["rows"]), r.tensors["out"]) for r in replies if "out" in r.tensors)
-        return torch.cat([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
+        answers = sorted((tuple(r.payload["rows"]), r) for r in replies if r.payload["rows"][0] < r.payload["rows"][1])
+        streams = answers[0][1].payload.get("streams")
+
+        def rows_of(key: str) -> torch.Tensor:
+            parts = [r.tensors[key] for _, r in answers]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        return rows_of("out") if streams is None else [rows_of(f"out.{i}") for i in range(streams)]
+
+    def call(self, method: str, *args: Any, timeout: float | None = None,
+             cancelled: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
+        """Run ``method`` of the sharded model (not its forward) on every rank with the whole input, the root's
+        parameters gathered; rank 0's answer comes back. For what ComfyUI computes with the network outside its
+        forward: LTX-2's text connectors (``preprocess_text_embeds``), run once per conditioning."""
+        if not self.loaded:
+            self.load(cancelled=cancelled)
+        tensors: dict[str, torch.Tensor] = {}
+
+        def ref(name: str, value: Any) -> dict:
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value.detach().to("cpu")
+                return {"t": name}
+            return {"v": value}
+
+        payload = {"handle": self.handle, "method": method, "args": [ref(f"arg{i}", a) for i, a in enumerate(args)],
+                   "kwargs": {k: ref(k, v) for k, v in kwargs.items()}}
+        replies = self.pool.call(OPS + "call", payload, tensors, timeout=timeout, cancelled=cancelled)
+        return replies[0].tensors.get("out", replies[0].payload.get("out"))
 
     def _plan_cache(self, used: list[str]) -> list[str]:
         """Mark ``used`` most recent; return the digests both sides drop to stay within capacity."""

@@ -114,6 +114,11 @@ class PatchedModule(ShardedModule):
         self.sync_patches(timeout, cancelled)
         return super().forward(*args, timeout=timeout, cancelled=cancelled, **kwargs)
 
+    def call(self, method: str, *args: Any, timeout: float | None = None,
+             cancelled: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
+        self.sync_patches(timeout, cancelled)   # the method may read patched weights (LTX-2's connectors)
+        return super().call(method, *args, timeout=timeout, cancelled=cancelled, **kwargs)
+
 
 def apply(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     """Restore the base rows and remove the forward hooks of the previous patch set, then patch this rank's rows
