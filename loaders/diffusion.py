@@ -38,7 +38,7 @@ from mgpu.weights.lora import PatchedModule
 from mgpu.sharding.sharded import ModelSpec, ShardedModule, first_tensor
 from mgpu.planning.sizing import read_header, size_component
 
-from . import pools
+from . import experts, pools
 from . import transformer_options as remote_options
 from . import weight_patches
 from . import gguf_model
@@ -91,7 +91,7 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
         if reshard is None:
             reshard = not keeps_gathered(path, dtype, devices)
         sp = 1 if sequence_parallel == "off" else choice.sp_degree or len(devices)
-        patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot, sp_degree=sp)
+        patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot, sp_degree=sp, plan=plan)
     else:
         patcher = load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's partial loading
     if plan is not None and plan.placement("dit") is not None:
@@ -294,9 +294,10 @@ def raise_interrupted(exc: CallCancelled, label: str):
 
 
 class _ComfyShardedModule(PatchedModule):
-    """Each (re)load first takes its loader's slot (``pools.occupy``), then runs ``prepare`` on the ranks: it
-    imports ComfyUI there outside the meta-device build and agrees on the dtype. The first load fixes the dtype;
-    reloads (after a rank failure, or an eviction) keep it, since the host's BaseModel was built for it."""
+    """Each (re)load first takes its loader's slot (``pools.occupy``) and frees the models it takes turns with
+    (``pools.make_room``, Wan 2.2's experts one at a time: logged with the seconds it took), then runs ``prepare`` on
+    the ranks: it imports ComfyUI there outside the meta-device build and agrees on the dtype. The first load fixes
+    the dtype; reloads (after a rank failure, or an eviction) keep it, since the host's BaseModel was built for it."""
 
     def __init__(self, pool, spec: ModelSpec, handle: str, unet_dtype: str | None, slot: tuple | None = None):
         super().__init__(pool, spec, handle)
@@ -306,6 +307,7 @@ class _ComfyShardedModule(PatchedModule):
 
     def load(self, timeout: float | None = None, cancelled=None) -> list[dict]:
         pools.occupy(self.slot, self)
+        freed, began = pools.make_room(self), time.perf_counter()
         kwargs = self.spec.factory_kwargs
         replies = self.pool.call(PREPARE, {"checkpoint": self.spec.checkpoint, "flags": kwargs["flags"],
                                            "unet_dtype": self.unet_dtype}, timeout=timeout, cancelled=cancelled)
@@ -313,13 +315,19 @@ class _ComfyShardedModule(PatchedModule):
         if fp8_line := fp8_compute_summary([r.payload for r in replies]):
             log.info("%s: %s", NODE, fp8_line)
         kwargs["unet_dtype"] = self.unet_dtype
-        return super().load(timeout, cancelled)
+        replies = super().load(timeout, cancelled)
+        if freed:
+            log.info("%s: freed %s to load %s: %.1f s", NODE, ", ".join(map(os.path.basename, freed)),
+                     os.path.basename(self.spec.checkpoint), time.perf_counter() - began)
+        return replies
 
 
 def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True,
-              slot: tuple | None = None, sp_degree: int = 1):
+              slot: tuple | None = None, sp_degree: int = 1, plan=None):
     """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here.
-    ``sp_degree``: ranks that split each video's tokens (lowered on the ranks to one the heads allow)."""
+    ``sp_degree``: ranks that split each video's tokens (lowered on the ranks to one the heads allow). Beside other
+    models on these ranks it stays, or takes turns with them, as ``plan`` or the ranks' free memory says
+    (``loaders.experts``)."""
     pools.release_garbage()   # a model this one replaces leaves the GPUs first
     model_config, sd, prefix = detect(path)
     handle = f"dit-{next(_handles)}"
@@ -333,6 +341,8 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
     label = f"{name} sharded over {len(devices)} ranks ({', '.join(devices)})"
     began = time.perf_counter()
     try:
+        pools.occupy(slot, sharded)   # this loader's previous model is not one to share the ranks with
+        experts.share_ranks(sharded, plan, dtype, not reshard_after_forward, NODE)
         sharded.load(cancelled=mm.processing_interrupted)
         degrees = sharded.load_replies[0].get("layout", {}).get("degrees", [1])
         log.info("%s: %s loaded in %.1f s (%s, compute %s; sequence-parallel degrees %s, chosen per step after the "

@@ -21,12 +21,23 @@ from mgpu.planning.devices import Device, inventory, parse_spec
 from mgpu.errors import MgpuError, SizingError
 from mgpu.planning.estimates import Workload
 # phases_resident is the partitioner's own residency rule: the chart's bars then add up to its numbers.
-from mgpu.planning.partition import PHASES, Component, Plan, Policy, phases_resident, make_plan
+from mgpu.planning.partition import (
+    EXPERT_ROLES,
+    ONE_AT_A_TIME,
+    PHASES,
+    Component,
+    Plan,
+    Policy,
+    make_plan,
+    phases_resident,
+)
 from mgpu.planning.sizing import ComponentSize, size_component
 
 from .placement import live_devices
 
-FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+# dit_low_noise: the second expert of a two-expert DiT (Wan 2.2 A14B), planned on the same devices as dit
+FOLDERS = {"dit": "diffusion_models", "dit_low_noise": "diffusion_models", "text_encoder": "text_encoders",
+           "vae": "vae"}
 NONE = "none"
 AUTO_DEVICES = "auto"
 # The weight dtypes MGPU Load Diffusion Model offers (its module imports ComfyUI, so they are repeated here;
@@ -53,6 +64,7 @@ class PlanRequest:
     """What to plan: file names (None = not planned) as ComfyUI lists them, the workload, devices and policy."""
 
     dit: str
+    dit_low_noise: str | None = None   # Wan 2.2 A14B: the low-noise expert; dit is then the high-noise one
     text_encoder: str | None = None
     vae: str | None = None
     width: int = 832
@@ -104,7 +116,7 @@ def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
     """Validate a POST /mgpu/plan body (JSON object); every problem is a BadRequest naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object such as {\"dit\": \"wan2.1_t2v_14B_bf16.safetensors\"}")
-    known = {"dit", "text_encoder", "vae", "dit_weight_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS}
+    known = {*FOLDERS, "dit_weight_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS}
     if "dit_dtype" in body:
         raise BadRequest("dit_dtype is now called dit_weight_dtype, as on the MGPU Plan node")
     if unknown := sorted(set(body) - known):
@@ -122,7 +134,8 @@ def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
     if not isinstance(devices, str) or len(devices) > MAX_DEVICE_SPEC:
         raise BadRequest(f"devices must be 'auto' or a device spec such as 2x24GiB (at most {MAX_DEVICE_SPEC} "
                          f"characters), got {str(devices)[:50]!r}")
-    return PlanRequest(dit=names["dit"], text_encoder=names["text_encoder"], vae=names["vae"],
+    return PlanRequest(dit=names["dit"], dit_low_noise=names["dit_low_noise"], text_encoder=names["text_encoder"],
+                       vae=names["vae"],
                        **{k: _int(body, k) for k in INT_LIMITS}, **{k: _bool(body, k) for k in BOOL_DEFAULTS},
                        dit_weight_dtype=dit_weight_dtype, devices=check_devices(devices))
 
@@ -147,6 +160,7 @@ def plan_devices(request: PlanRequest, live: Callable[[], list[Device]] | None =
 
 def _size(role: str, path: str) -> ComponentSize:
     """The component's size; in an all-in-one checkpoint (DiT + VAE), the part the role names."""
+    role = "dit" if role in EXPERT_ROLES else role
     size = size_component(path)
     prefix = _CHECKPOINT_PREFIX.get(role)
     if prefix is None or size.kind == role:
@@ -170,7 +184,7 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
         if path is None:
             raise SizingError(f"{role}: {name!r} is not in ComfyUI's {folder} folder; put the file there and refresh "
                               "the node list (press r in the ComfyUI page), or pick another")
-        dtype = None if role != "dit" or request.dit_weight_dtype == "default" else request.dit_weight_dtype
+        dtype = None if role not in EXPERT_ROLES or request.dit_weight_dtype == "default" else request.dit_weight_dtype
         components.append(Component(role, _size(role, path), dtype))
     workload = Workload(width=request.width, height=request.height, frames=request.frames, batch=request.batch,
                         cfg=request.cfg)
@@ -231,8 +245,20 @@ def dit_path(name: str) -> str | None:
     return None
 
 
-_ROLE_LABEL = {"text_encoder": "text encoder", "dit": "DiT", "vae": "VAE"}
+_ROLE_LABEL = {"text_encoder": "text encoder", "dit": "DiT", "dit_low_noise": "DiT", "vae": "VAE"}
+_EXPERT_LABEL = {"dit": " (high noise)", "dit_low_noise": " (low noise)"}
 _RUNS_IN = {"encode": "text_encoder", "sample": "dit", "decode": "vae"}
+
+
+def _resident(plan: Plan, device: str) -> list:
+    """The placements holding weights on ``device``; of two experts taken one at a time, only the larger one (the
+    plan counts one expert's weights there, never both)."""
+    held = [p for p in plan.placements if device in p.resident_bytes]
+    turns = [p for p in held if p.experts == ONE_AT_A_TIME]
+    if len(turns) > 1:
+        larger = max(turns, key=lambda p: p.resident_bytes[device])
+        held = [p for p in held if p not in turns or p is larger]
+    return held
 
 
 def chart(plan: Plan) -> list[dict]:
@@ -246,14 +272,18 @@ def chart(plan: Plan) -> list[dict]:
         phases = []
         for phase in PHASES:
             segments = []
-            for p in plan.placements:
-                if use.device in p.resident_bytes and phase in phases_resident(p.role, p.strategy, policy):
+            for p in _resident(plan, use.device):
+                if phase in phases_resident(p.role, p.strategy, policy):
                     what = _ROLE_LABEL[p.role] + (" shard" if p.strategy == "fsdp" else "")
-                    segments.append({"kind": p.role, "label": f"{what} weights", "bytes": p.resident_bytes[use.device]})
-            running = plan.placement(_RUNS_IN[phase])
-            if running is not None and running.working_bytes.get(use.device):
-                segments.append({"kind": "working", "label": f"{_ROLE_LABEL[running.role]} working",
-                                 "bytes": running.working_bytes[use.device]})
+                    which = (" (one expert at a time)" if p.experts == ONE_AT_A_TIME
+                             else _EXPERT_LABEL[p.role] if p.experts else "")
+                    segments.append({"kind": "dit" if p.role in EXPERT_ROLES else p.role,
+                                     "label": f"{what} weights{which}", "bytes": p.resident_bytes[use.device]})
+            working = max((p.working_bytes.get(use.device, 0) for p in plan.placements
+                           if p.role == _RUNS_IN[phase] or (phase == "sample" and p.role in EXPERT_ROLES)), default=0)
+            if working:
+                segments.append({"kind": "working", "label": f"{_ROLE_LABEL[_RUNS_IN[phase]]} working",
+                                 "bytes": working})
             phases.append({"phase": phase, "bytes": use.by_phase[phase], "segments": segments})
         rows.append({"device": use.device, "name": names.get(use.device, ""), "budget_bytes": use.budget_bytes,
                      "peak_bytes": use.peak_bytes, "headroom_bytes": use.headroom_bytes, "phases": phases})

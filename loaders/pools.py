@@ -3,7 +3,9 @@
 Starting ranks costs seconds to minutes (imports, CUDA contexts, rendezvous), so every MGPU model on the same devices
 shares one pool, and the ranks outlive the models: a model ComfyUI drops (its node cache moved on, or POST /free)
 gives its shards back, and the next model on these devices starts at once; a loader run again first takes the model
-it loaded before off the GPUs (``occupy``). A pool left without models is stopped when one on other devices starts,
+it loaded before off the GPUs (``occupy``). Models that take turns on a pool (Wan 2.2's two experts when both do
+not fit: ``take_turns``) are loaded one at a time: loading one frees the others first (``make_room``). A pool left
+without models is stopped when one on other devices starts,
 so idle ranks never pile up. Ranks never outlive ComfyUI: ``mgpu.ranks.pool`` closes every pool at exit, and a rank dies
 with its host if that is killed (PR_SET_PDEATHSIG and a watchdog).
 
@@ -19,6 +21,7 @@ import weakref
 from collections import deque
 
 from mgpu.errors import MgpuError, RankFailure
+from mgpu.planning.devices import Device
 from mgpu.ranks.pool import PoolConfig, RankPool
 
 log = logging.getLogger("mgpu")
@@ -30,6 +33,8 @@ _collected: deque = deque()                       # ShardedModules whose MODEL i
 _slots: dict[tuple, object] = {}                  # loader slot -> the ShardedModule it has (or last had) loaded
 _drain_lock = threading.Lock()                    # one drain at a time: a load waits for a release in progress
 _live: weakref.WeakSet = weakref.WeakSet()        # every ShardedModule a MODEL was made of, while it exists
+_turns: dict[tuple[str, ...], weakref.WeakSet] = {}   # per pool: models loaded one at a time (``take_turns``)
+MEMORY_OP = "mgpu.sharding.model_ops:memory"
 
 
 def fsdp_devices(devices: list[str], ranks: int) -> list[str]:
@@ -65,6 +70,7 @@ def release(sharded) -> None:
         _models.get(tuple(sharded.pool.config.devices), set()).discard(sharded.handle)
         for slot in [k for k, v in _slots.items() if v is sharded]:
             del _slots[slot]
+        _turns.get(tuple(sharded.pool.config.devices), set()).discard(sharded)
         _free(sharded, "is no longer used")
 
 
@@ -91,6 +97,46 @@ def occupy(slot: tuple | None, sharded) -> None:
         previous, _slots[slot] = _slots.get(slot), sharded
         if previous is not None and previous is not sharded and previous.loaded:
             _free(previous, f"was replaced by its loader ({slot[1]}) and may load again when used")
+
+
+def take_turns(sharded, others: list = ()) -> None:
+    """From now on ``sharded`` and ``others`` (models on the same ranks) are loaded one at a time: each (re)load
+    frees the others first (``make_room``), so their shards are never resident together. The MGPU Plan asks for it
+    when two experts do not fit both resident; without a plan, the loader does when the ranks' free memory does not
+    hold a model beside the ones already there. Every model that joins a pool's group takes turns with all of it."""
+    with _lock:
+        group = _turns.setdefault(tuple(sharded.pool.config.devices), weakref.WeakSet())
+        group.add(sharded)
+        group.update(others)
+
+
+def make_room(sharded) -> list[str]:
+    """``sharded`` is about to (re)load: free the loaded models it takes turns with; returns their checkpoints."""
+    with _lock:
+        group = _turns.get(tuple(sharded.pool.config.devices))
+        if group is None or sharded not in group:
+            return []
+        others = [m for m in list(group) if m is not sharded and m.loaded]
+        for other in others:
+            _free(other, f"takes turns with {sharded.spec.checkpoint} on the FSDP ranks and may load again when used")
+    return [m.spec.checkpoint for m in others]
+
+
+def loaded_beside(sharded) -> list:
+    """The models loaded on ``sharded``'s ranks now, ``sharded`` left out."""
+    return [m for m in list(_live) if m is not sharded and m.pool is sharded.pool and m.loaded]
+
+
+def rank_memory(pool: RankPool) -> list[Device]:
+    """One Device per rank with the free memory that rank reports now (``mgpu.sharding.model_ops.memory``)."""
+    devices = []
+    for reply in pool.call(MEMORY_OP):
+        r, dev = reply.payload, reply.payload["device"]
+        cuda = dev.startswith("cuda")
+        devices.append(Device(id=dev, kind="cuda" if cuda else "cpu", index=int(dev.partition(":")[2] or 0) if cuda
+                              else None, name=f"rank {reply.rank}", total_bytes=r["total_bytes"],
+                              free_bytes=r["free_bytes"], simulated=r["simulated"], source="rank"))
+    return devices
 
 
 def release_with(model: object, sharded) -> None:

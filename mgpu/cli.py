@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="decide where the text encoder, DiT and VAE live for a workload")
     p.add_argument("--dit", required=True, metavar="FILE", help="diffusion transformer (.safetensors or sharded folder)")
+    p.add_argument("--dit-low-noise", metavar="FILE",
+                   help="a second expert on the same devices (Wan 2.2 A14B: --dit is then the high-noise one); "
+                        "planned both resident if memory allows, else one at a time with the cost of each switch")
     p.add_argument("--text-encoder", metavar="FILE")
     p.add_argument("--vae", metavar="FILE")
     p.add_argument("--dit-weight-dtype", metavar="DTYPE", help="run the DiT in this weight dtype (e.g. fp8_e4m3fn, bf16)")
@@ -87,6 +90,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise MgpuError(f"--{name} must be at least 1, got {getattr(args, name)}")
     components = [Component("dit", size_component(args.dit), args.dit_weight_dtype)]
+    if args.dit_low_noise:
+        components.append(Component("dit_low_noise", size_component(args.dit_low_noise), args.dit_weight_dtype))
     if args.text_encoder:
         components.append(Component("text_encoder", size_component(args.text_encoder), args.text_encoder_dtype))
     if args.vae:

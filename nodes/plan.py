@@ -31,7 +31,10 @@ class MgpuPlan(io.ComfyNode):
             category="MGPU",
             description="Decides, from the model files' headers (no weights loaded), which device holds the text "
                         "encoder, the DiT (one GPU, sharded with FSDP, or offloaded) and the VAE for this video "
-                        "size, and shows each device's peak memory and headroom. Loaders set to auto follow it.",
+                        "size, and shows each device's peak memory and headroom. Loaders set to auto follow it. "
+                        "With a second expert (Wan 2.2 A14B: dit is the high-noise one, dit_low_noise the other) "
+                        "both experts share the devices: both resident when memory allows, else one at a time, "
+                        "with the cost of each switch.",
             is_output_node=True,
             inputs=[
                 io.Combo.Input("dit", options=mf.dit_names(),
@@ -53,6 +56,12 @@ class MgpuPlan(io.ComfyNode):
                                  tooltip="if nothing else fits, stream DiT weights from host RAM (slow)"),
                 io.Boolean.Input("prefer_speed", default=False,
                                  tooltip="shard over all GPUs even when fewer would fit"),
+                # optional and last, so saved workflows and API prompts made before it still load unchanged
+                io.Combo.Input("dit_low_noise", options=[mf.NONE, *mf.dit_names()], default=mf.NONE,
+                               optional=True,
+                               tooltip="Wan 2.2 A14B: the low-noise expert (dit is then the high-noise one). Both "
+                                       "MGPU loaders connected to this plan follow its decision: both resident, "
+                                       "or one at a time"),
             ],
             outputs=[PlanType.Output(display_name="plan")],
         )
@@ -72,9 +81,10 @@ class MgpuPlan(io.ComfyNode):
     @classmethod
     def execute(cls, dit: str, text_encoder: str, vae: str, width: int, height: int, frames: int, batch: int,
                 cfg: bool, dit_weight_dtype: str, devices: str, allow_offload: bool,
-                prefer_speed: bool) -> io.NodeOutput:
+                prefer_speed: bool, dit_low_noise: str = mf.NONE) -> io.NodeOutput:
         request = mf.PlanRequest(
-            dit=dit, text_encoder=None if text_encoder == mf.NONE else text_encoder,
+            dit=dit, dit_low_noise=None if dit_low_noise in (None, mf.NONE) else dit_low_noise,
+            text_encoder=None if text_encoder == mf.NONE else text_encoder,
             vae=None if vae == mf.NONE else vae, width=width, height=height, frames=frames, batch=batch, cfg=cfg,
             dit_weight_dtype=dit_weight_dtype, devices=mf.check_devices(devices), allow_offload=allow_offload,
             prefer_speed=prefer_speed)

@@ -16,12 +16,15 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "example_workflows"
 EXAMPLES = {
     "wan21_t2v_multi_gpu": "Wan 2.1 text-to-video 14B (multi-GPU)",
     "ltxv_t2v_multi_gpu": "LTX-Video 13B text-to-video (multi-GPU)",
+    "wan22_t2v_a14b_multi_gpu": "Wan 2.2 text-to-video A14B (multi-GPU)",
+    "ltx2_t2v_multi_gpu": "LTX-2 19B text-to-video with audio (multi-GPU)",   # ComfyUI 0.33 and newer
 }
 # Combo inputs of the loaders that name model files, and the ComfyUI model folder each lists.
 FILE_FOLDERS = {
-    "dit": "diffusion_models", "unet_name": "diffusion_models",
+    "dit": "diffusion_models", "dit_low_noise": "diffusion_models", "unet_name": "diffusion_models",
     "text_encoder": "text_encoders", "clip_name": "text_encoders", "clip_name2": "text_encoders",
     "vae": "vae", "vae_name": "vae",
+    "ckpt_name": "checkpoints",   # ComfyUI's own LTX-2 audio VAE loader reads the all-in-one checkpoint there
 }
 NONE = "none"
 
@@ -46,8 +49,9 @@ def widget_values(node: dict) -> dict[str, Any]:
     """A UI node's widget values by input name (the frontend stores control_after_generate right after a seed)."""
     names = [i["name"] for i in node.get("inputs", []) if "widget" in i]
     values = list(node.get("widgets_values") or [])
-    if "seed" in names:
-        values.pop(names.index("seed") + 1)
+    for seed in ("seed", "noise_seed"):   # noise_seed: KSamplerAdvanced's
+        if seed in names:
+            values.pop(names.index(seed) + 1)
     return dict(zip(names, values))
 
 

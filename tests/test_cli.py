@@ -119,6 +119,19 @@ def test_demo_cfg_and_sequence_parallel_on_4_ranks_is_2_by_2():
     assert "split per step (CFG groups x sequence-parallel ranks, 2 rows per step): 2x2, 2x2" in r.stdout
 
 
+
+def test_plan_with_a_low_noise_expert_prints_the_decision_and_the_switch_cost(files):
+    """Wan 2.2 A14B: the two experts (here the 14B layout in bf16, recast to fp8) on 2x24GiB at 720p take turns."""
+    r = mgpu("plan", "--dit", str(files["dit"]), "--dit-low-noise", str(files["dit"]), "--dit-weight-dtype",
+             "fp8_e4m3fn", "--width", "1280", "--height", "720", "--devices", "2x24GiB,cpu=64GiB")
+    assert r.returncode == 0, r.stderr
+    assert "dit_low_noise: fsdp on cuda:0, cuda:1" in r.stdout and "DiT shard (1 expert at a time)" in r.stdout
+    assert "one expert at a time" in r.stdout and "per prompt" in r.stdout
+    r = mgpu("plan", "--dit", str(files["dit"]), "--dit-low-noise", str(files["dit"]), "--dit-weight-dtype",
+             "fp8_e4m3fn", "--width", "1280", "--height", "720", "--devices", "2x16GiB,cpu=64GiB")
+    assert r.returncode == 3 and "cannot place the DiT experts" in r.stderr and "one DiT expert at a time" in r.stderr
+
+
 # dim and ffn multiples of 256: Q4_K stores rows of whole 256-value super-blocks
 QUANT_DEMO = ("--dim", "256", "--heads", "2", "--ffn", "256", "--layers", "2", "--steps", "2")
 # Bytes all-gathered by the blocks per step, counted at the process group, over the same blocks in bf16: the block

@@ -1,8 +1,8 @@
 """ComfyUI's own Wan 2.2 A14B workflow shape (two diffusion models: a high-noise expert for the first steps, a
 low-noise one for the rest; ModelSamplingSD3 on each; two KSamplerAdvanced with start/end steps, the first returning
 its leftover noise) with both loaders set to fsdp: both experts shard over the same 2 cpu ranks and the latent equals
-the same workflow with stock UNETLoaders. Both experts stay resident (the plan that chooses "one at a time" is left
-for later; see issue 11)."""
+the same workflow with stock UNETLoaders. Both experts stay resident here (the ranks have room for both); taking
+them one at a time is test_comfyui_wan22_sharded.py. MGPU Plan takes both experts and shows its decision."""
 
 from __future__ import annotations
 
@@ -62,3 +62,30 @@ def test_two_expert_workflow_with_both_loaders_on_fsdp_matches_stock(server: Com
     assert max_diff(out["fsdp_high_only"], out["stock_high_only"]) <= TOLERANCE
     # the switch matters: the high-noise expert alone gives another latent, so the low-noise one really ran
     assert max_diff(out["stock_second"], out["stock_high_only"]) > 100 * TOLERANCE
+
+
+A14B = {"dit": "mgpu_wan22_a14b_high_noise_fp8.safetensors",
+        "dit_low_noise": "mgpu_wan22_a14b_low_noise_fp8.safetensors"}
+
+
+def test_the_plan_node_takes_both_experts_and_shows_its_decision(server: ComfyServer) -> None:
+    """MGPU Plan with Wan 2.2 A14B's two fp8 experts (header-only files in the real layout) for 2x24GiB at 720p:
+    one at a time, with the numbers and the cost of a switch in the node's text; an API prompt made before the
+    dit_low_noise input existed plans one DiT as before."""
+    import ckpt_layouts as L
+
+    for name in A14B.values():
+        if not (server.diffusion_models / name).exists():
+            L.write_safetensors(server.diffusion_models / name, L.recast(L.wan21_t2v_14b(), "F8_E4M3"), sparse=True)
+    inputs = {**A14B, "text_encoder": "none", "vae": "none", "width": 1280, "height": 720, "frames": 81, "batch": 1,
+              "cfg": True, "dit_weight_dtype": "default", "devices": "2x24GiB,cpu=64GiB", "allow_offload": False,
+              "prefer_speed": False}
+    out = run(server, {"plan": {"class_type": "MgpuPlan", "inputs": inputs}})["outputs"]["plan"]
+    text, plan = out["text"][0], out["mgpu_plan"][0]
+    assert {p["role"]: p["experts"] for p in plan["placements"]} == {"dit": "one_at_a_time",
+                                                                     "dit_low_noise": "one_at_a_time"}
+    assert "dit_low_noise: fsdp on cuda:0, cuda:1" in text and "DiT shard (1 expert at a time)" in text
+    assert "both experts resident would need 24.4 GiB per rank" in text and "~7.1 s at an assumed 2 GB/s" in text
+    del inputs["dit_low_noise"]
+    out = run(server, {"plan": {"class_type": "MgpuPlan", "inputs": inputs}})["outputs"]["plan"]
+    assert [(p["role"], p["experts"]) for p in out["mgpu_plan"][0]["placements"]] == [("dit", None)]

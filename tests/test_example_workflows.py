@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from comfy_checkpoints import (
     LTXVDiTConfig,
     ltxv_dit_shapes,
@@ -43,6 +44,8 @@ from example_files import (
 )
 from PIL import Image
 from safetensors.torch import load_file, save_file
+
+import ckpt_layouts as L
 
 NAMES = tuple(EXAMPLES)
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
@@ -112,7 +115,8 @@ OFFICIAL_ORGS = {"Comfy-Org", "comfyanonymous", "Lightricks"}
 HF_FILE_URL = re.compile(r"https://huggingface\.co/(?P<org>[^/]+)/[^/]+/resolve/main/(?:[^?]+/)?(?P<file>[^/?]+)"
                          r"(?:\?download=true)?")
 # The ComfyUI template each example follows (package comfyui-workflow-templates): its file URLs are the reference.
-COMFYUI_TEMPLATES = {"wan21_t2v_multi_gpu": "text_to_video_wan", "ltxv_t2v_multi_gpu": "ltxv_text_to_video"}
+COMFYUI_TEMPLATES = {"wan21_t2v_multi_gpu": "text_to_video_wan", "ltxv_t2v_multi_gpu": "ltxv_text_to_video",
+                     "ltx2_t2v_multi_gpu": "video_ltx2_t2v", "wan22_t2v_a14b_multi_gpu": "video_wan2_2_14B_t2v"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -142,21 +146,36 @@ def test_the_wan_files_are_comfy_orgs_repack():
         assert m["url"] == f"{repack}/{m['directory']}/{m['name']}?download=true", m
 
 
-def _comfyui_template(name: str) -> dict:
+def _templates_dir() -> Path:
     spec = importlib.util.find_spec("comfyui_workflow_templates")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("ComfyUI's workflow templates are not installed (pip install -r ComfyUI/requirements.txt)")
-    site = Path(next(iter(spec.submodule_search_locations))).parent
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _comfyui_template(name: str) -> dict:
+    site = _templates_dir()
     found = sorted(site.glob(f"comfyui_workflow_templates*/templates/{name}.json"))
     assert found, f"no template {name}.json in the installed comfyui-workflow-templates packages under {site}"
     return json.loads(found[0].read_text())
+
+
+def _template_models(template: dict) -> list[dict[str, str]]:
+    """Every file a ComfyUI template declares, also on the nodes of its subgraphs (the LTX-2 ones keep theirs
+    there)."""
+    graphs = [template, *template.get("definitions", {}).get("subgraphs", [])]
+    return [m for g in graphs for m in declared_models(g)]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_urls_are_those_of_comfyuis_own_template(name):
     """A file ComfyUI's matching template names has its exact URL and folder; any other file lies beside one."""
     ui, _ = load(name)
-    theirs = {m["name"]: m for m in declared_models(_comfyui_template(COMFYUI_TEMPLATES[name]))}
+    if name in NEWER_NODES and not list(_templates_dir().glob(f"*/templates/{COMFYUI_TEMPLATES[name]}.json")):
+        # the templates of a ComfyUI older than the model (0.3.64 and LTX-2): it has none of that family at all
+        assert not list(_templates_dir().glob(f"*/templates/{COMFYUI_TEMPLATES[name].rsplit('_', 1)[0]}*.json"))
+        return
+    theirs = {m["name"]: m for m in _template_models(_comfyui_template(COMFYUI_TEMPLATES[name]))}
     folders = {m["url"].split("?")[0].rsplit("/", 1)[0] for m in theirs.values()}
     shared = 0
     for m in declared_models(ui):
@@ -188,12 +207,21 @@ def _input_spec(info: dict, node_type: str, name: str) -> tuple[Any, dict]:
     return entry[0], (entry[1] if len(entry) > 1 else {})
 
 
+# Stock nodes an example needs that older ComfyUI lacks: there the example is checked to need exactly these.
+NEWER_NODES = {"ltx2_t2v_multi_gpu": {"LTXVAudioVAELoader", "LTXVEmptyLatentAudio", "LTXVConcatAVLatent",
+                                      "LTXVSeparateAVLatent", "LTXVAudioVAEDecode"}}   # LTX-2: ComfyUI 0.33+
+
+
 @pytest.mark.comfyui
 @pytest.mark.parametrize("name", NAMES)
 def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfyServer, name):
     info = comfyui_server.object_info()
     ui, api = load(name)
-    assert {n["type"] for n in ui["nodes"]} - FRONTEND_ONLY <= set(info)
+    absent = {n["type"] for n in ui["nodes"]} - FRONTEND_ONLY - set(info)
+    if absent and name in NEWER_NODES:   # an older ComfyUI (0.3.64 and LTX-2): only those nodes are missing
+        assert absent == NEWER_NODES[name], sorted(absent)
+        return
+    assert not absent, sorted(absent)
     for node_id, node in api.items():
         kind = node["class_type"]
         required = set(info[kind]["input"].get("required", {}))
@@ -209,7 +237,7 @@ def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfySer
                     assert value == "none" or value.endswith(".safetensors"), (kind, key, value)
                 else:
                     assert value in options, (kind, key, value)
-            elif typ in ("INT", "FLOAT"):
+            elif typ in ("INT", "FLOAT", "FLOAT,INT"):   # "FLOAT,INT": a number of either type (0.33's MultiType)
                 assert isinstance(value, (int, float)) and not isinstance(value, bool), (kind, key)
                 assert opts.get("min", value) <= value <= opts.get("max", value), (kind, key, value)
             elif typ == "BOOLEAN":
@@ -220,8 +248,9 @@ def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfySer
                 assert typ == "STRING" and isinstance(value, str), (kind, key, typ)
 
 
-def _for_the_run(api: dict, width: int, height: int, frames: int) -> dict:
-    """The twin with test conditioning instead of the text encoder, and a tiny size (see the module docstring)."""
+def _for_the_run(api: dict, width: int, height: int, frames: int, text: tuple[int, int] = (4096, 8)) -> dict:
+    """The twin with test conditioning (``text``: its width and tokens) instead of the text encoder, and a tiny size
+    (see the module docstring)."""
     prompt = copy.deepcopy(api)
     for node_id, node in list(prompt.items()):
         kind, inputs = node["class_type"], node["inputs"]
@@ -229,12 +258,14 @@ def _for_the_run(api: dict, width: int, height: int, frames: int) -> dict:
             del prompt[node_id]
         elif kind == "CLIPTextEncode":
             prompt[node_id] = {"class_type": "MgpuTestConditioning",
-                               "inputs": {"width": 4096, "tokens": 8, "seed": int(node_id), "scale": 1.0}}
+                               "inputs": {"width": text[0], "tokens": text[1], "seed": int(node_id), "scale": 1.0}}
         elif kind == "MgpuPlan":
             inputs.update(text_encoder="none", width=width, height=height, frames=frames)
         elif kind.startswith("Empty") and "Latent" in kind:
             inputs.update(width=width, height=height, length=frames)
-        elif kind == "MgpuFSDPSampler":
+        elif kind == "LTXVEmptyLatentAudio":
+            inputs.update(frames_number=frames)
+        elif kind in ("MgpuFSDPSampler", "LTXVScheduler"):
             inputs.update(steps=2)
     return prompt
 
@@ -333,3 +364,156 @@ def test_ltxv_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfySer
     assert _video(server, entry) == (9, 64, 64)
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
     assert {p["role"]: p["family"] for p in plan["placements"]} == {"dit": "ltxv", "vae": "ltxv-vae"}
+
+
+# LTX-2's audio VAE and vocoder as ComfyUI 0.33 builds them from the checkpoint's metadata, small: the real latent
+# layout (8 channels x 16 frequency bins, 25 latents a second at 16 kHz) from an 8-wide encoder and decoder, and a
+# 32-wide vocoder upsampling by the real 160.
+TINY_LTX2_AUDIO_VAE = {
+    "model": {"params": {"ddconfig": {"double_z": True, "mel_bins": 64, "z_channels": 8, "resolution": 256,
+                                      "downsample_time": False, "in_channels": 2, "out_ch": 2, "ch": 8,
+                                      "ch_mult": [1, 2, 4], "num_res_blocks": 1, "attn_resolutions": [],
+                                      "dropout": 0.0, "mid_block_add_attention": False, "norm_type": "pixel",
+                                      "causality_axis": "height"}, "sampling_rate": 16000}},
+    "preprocessing": {"stft": {"filter_length": 1024, "hop_length": 160}},
+}
+TINY_LTX2_VOCODER = {"resblock_kernel_sizes": [3], "upsample_rates": [5, 4, 2, 2, 2],
+                     "upsample_kernel_sizes": [16, 16, 8, 4, 4], "resblock_dilation_sizes": [[1, 3, 5]],
+                     "upsample_initial_channel": 32, "stereo": True}
+# A DiT that outweighs the VAEs in the file, as in the real one (MGPU Plan sizes the biggest part as the DiT).
+TINY_LTX2_DIT = {"heads": 8, "head_dim": 64, "layers": 4}   # 21.9 M parameters; the video VAE has 14.9 M
+
+
+def write_tiny_ltx2_checkpoint(path: Path) -> None:
+    """An all-in-one LTX-2 file as Lightricks ship it: the DiT under model.diffusion_model., the video VAE under
+    vae., the audio VAE under audio_vae. and its vocoder under vocoder., every config in the metadata. The VAEs'
+    keys and shapes come from ComfyUI's own classes (in a subprocess, since importing comfy parses its command line;
+    ComfyUI builds them without initialising the weights), their values are seeded, with unit statistics so
+    decoding stays finite."""
+    comfyui = find_comfyui()
+    config = {"transformer": L.ltx2_tiny_config(TINY_LTX2_DIT), "vae": TINY_LTXV_VAE,
+              "audio_vae": TINY_LTX2_AUDIO_VAE, "vocoder": TINY_LTX2_VOCODER}
+    code = f"""
+import sys, json, torch
+sys.path.insert(0, {str(comfyui)!r})
+from comfy.cli_args import args
+args.cpu = True
+from comfy.ldm.lightricks.vae.audio_vae import AudioVAE
+from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+config = json.loads({json.dumps(json.dumps(config))})
+with torch.device("meta"):
+    shapes = {{"vae." + k: list(v.shape) for k, v in VideoVAE(config=config["vae"]).state_dict().items()}}
+    for k, v in AudioVAE(metadata={{"config": json.dumps(config)}}).state_dict().items():   # autoencoder., vocoder.
+        shapes[k.replace("autoencoder.", "audio_vae.", 1)] = list(v.shape)
+print(json.dumps(shapes))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=comfyui, check=True, capture_output=True, text=True,
+                          timeout=300)
+    vae_shapes = {k: tuple(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    tensors = random_state_dict(vae_shapes, seed=6)
+    for k in tensors:
+        if "per_channel_statistics." in k:
+            tensors[k] = torch.zeros_like(tensors[k]) if k.endswith("mean-of-means") else torch.ones_like(tensors[k])
+    dit = L.ltx2_av_dit(**{**L.LTX2_TINY, **TINY_LTX2_DIT}, prefix="model.diffusion_model.")
+    tensors.update(random_state_dict({k: s for k, (s, _) in dit.items()}, seed=5))
+    save_file(tensors, str(path), metadata={"config": json.dumps(config)})
+
+
+def _audio_streams(server: ComfyServer, entry: dict) -> int:
+    import av
+
+    (item,) = [i for out in entry["outputs"].values() for i in out.get("images", [])]
+    with av.open(str(server.output_dir / item["subfolder"] / item["filename"])) as container:
+        return len(container.streams.audio)
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("dit_device", ["auto", "fsdp"])
+def test_ltx2_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfyServer, dit_device: str):
+    """ComfyUI 0.33: the twin as written (auto: the plan for this CPU machine), and with the DiT forced to fsdp (two
+    CPU ranks here), saves a video with its audio. ComfyUI 0.3.64 has no LTX-2 nodes to run it with."""
+    server = comfyui_server
+    _, api = load("ltx2_t2v_multi_gpu")
+    if not NEWER_NODES["ltx2_t2v_multi_gpu"] <= set(server.object_info()):
+        assert not NEWER_NODES["ltx2_t2v_multi_gpu"] & set(server.object_info())
+        return
+    (name,) = model_files(api)
+    dit_file = server.diffusion_models / name
+    if not dit_file.exists():
+        write_tiny_ltx2_checkpoint(dit_file)
+    checkpoints = server.base_dir / "models" / "checkpoints"   # ComfyUI's own folder under --base-directory
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    for link in (server.vae / name, checkpoints / name):   # as the workflow's note says: the same file everywhere
+        if not link.is_symlink():
+            link.symlink_to(dit_file)
+    for node in api.values():
+        if node["class_type"] == "MgpuLoadDiffusionModel":
+            node["inputs"]["device"] = dit_device
+    entry = server.wait(server.post_prompt(_for_the_run(api, 64, 64, 9, text=(48, 1024))), timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    assert _video(server, entry) == (9, 64, 64) and _audio_streams(server, entry) == 1
+    plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
+    assert {p["role"]: p["family"] for p in plan["placements"]} == {"dit": "ltx2-av", "vae": "ltxv-vae"}
+
+
+# --- Wan 2.2 A14B: ComfyUI's two-expert workflow with the MGPU loaders -----------------------------------------------
+
+WAN22 = "wan22_t2v_a14b_multi_gpu"
+
+
+def test_the_wan22_example_is_comfyuis_two_expert_workflow_on_one_plan():
+    """As ComfyUI's Wan 2.2 14B template (without its speed LoRA): the high-noise expert for steps 0-10 of 20 with
+    its leftover noise, the low-noise one for the rest, ModelSamplingSD3 shift 8 on each; both loaders follow a
+    plan that names both experts."""
+    _, api = load(WAN22)
+    by_type = {}
+    for node_id, n in api.items():
+        by_type.setdefault(n["class_type"], []).append((node_id, n["inputs"]))
+    (plan_id, plan), = by_type["MgpuPlan"]
+    loaders = dict((i, n) for i, n in by_type["MgpuLoadDiffusionModel"])
+    assert sorted(n["unet_name"] for n in loaders.values()) == sorted([plan["dit"], plan["dit_low_noise"]])
+    assert "high_noise" in plan["dit"] and "low_noise" in plan["dit_low_noise"]
+    for kind in ("MgpuLoadDiffusionModel", "MgpuLoadTextEncoder", "MgpuLoadVAE"):
+        assert all(n["plan"] == [plan_id, 0] and n["device"] == "auto" for _, n in by_type[kind])
+    samplers = sorted((n["start_at_step"], n) for _, n in by_type["KSamplerAdvanced"])
+    (_, first), (_, second) = samplers
+    assert (first["end_at_step"], first["return_with_leftover_noise"], first["add_noise"]) == (10, "enable", "enable")
+    assert (second["start_at_step"], second["end_at_step"], second["add_noise"]) == (10, 10000, "disable")
+    assert first["steps"] == second["steps"] == 20
+    assert api[second["latent_image"][0]]["inputs"] is first   # the second continues the first's latent
+
+    def expert_of(sampler: dict) -> str:
+        shift = api[sampler["model"][0]]
+        assert shift["class_type"] == "ModelSamplingSD3" and shift["inputs"]["shift"] == 8
+        return loaders[shift["inputs"]["model"][0]]["unet_name"]
+
+    assert (expert_of(first), expert_of(second)) == (plan["dit"], plan["dit_low_noise"])
+    (_, latent), = by_type["EmptyHunyuanLatentVideo"]
+    assert (latent["width"], latent["height"], latent["length"]) == (plan["width"], plan["height"], plan["frames"])
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("dit_device", ["auto", "fsdp"])
+def test_wan22_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer, dit_device: str):
+    """As written (auto: the plan for this CPU machine puts both experts on the CPU), and with both loaders forced
+    to fsdp (both experts on the same two CPU ranks); 4 steps, the switch after 2."""
+    server = comfyui_server
+    _, api = load(WAN22)
+    prompt = _for_the_run(api, 64, 64, 5)
+    for node in prompt.values():
+        inputs = node["inputs"]
+        if node["class_type"] == "MgpuLoadDiffusionModel":
+            inputs["device"] = dit_device
+            write_tiny_wan21_t2v(server.diffusion_models / inputs["unet_name"],
+                                 seed=1 if "high" in inputs["unet_name"] else 2)
+        elif node["class_type"] == "KSamplerAdvanced":   # the high-noise one ends, the low-noise one starts at 2
+            inputs.update(steps=4, **({"end_at_step": 2} if inputs["start_at_step"] == 0 else {"start_at_step": 2}))
+    vae = next(n["inputs"]["vae_name"] for n in api.values() if n["class_type"] == "MgpuLoadVAE")
+    if not (server.vae / vae).exists():
+        write_wan21_vae(server.vae / vae)
+    entry = server.wait(server.post_prompt(prompt), timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    assert _video(server, entry) == (5, 64, 64)
+    plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
+    experts = {p["role"]: p["experts"] for p in plan["placements"] if p["role"].startswith("dit")}
+    assert experts == {"dit": "both_resident", "dit_low_noise": "both_resident"}

@@ -357,3 +357,219 @@ def test_no_split_fits_then_the_host_and_else_the_numbers(gemma12b):
     msg = str(info.value)
     assert "text encoder split over up to 2 GPUs needs 22.7 GiB of weights in all" in msg
     assert "room for weights: cuda:0" in msg
+
+
+# --- Wan 2.2 A14B: two experts on the same devices, both resident or one at a time -----------------------------------
+
+from mgpu.planning.partition import BOTH_RESIDENT, DISK_BYTES_PER_S, ONE_AT_A_TIME, fits_beside  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    """ComfyUI's Wan 2.2 A14B template files: two fp8 experts in the Wan 14B layout, UMT5-XXL fp8, the Wan VAE."""
+    d = tmp_path_factory.mktemp("wan22")
+    fp8_14b = L.recast(L.wan21_t2v_14b(), "F8_E4M3")
+    sizes = {
+        "dit": size_component(L.write_safetensors(d / "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", fp8_14b,
+                                                  sparse=True)),
+        "dit_low_noise": size_component(L.write_safetensors(d / "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
+                                                            fp8_14b, sparse=True)),
+        "text_encoder": size_component(L.write_safetensors(d / "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                                                           L.recast(L.umt5_xxl(), "F8_E4M3"), sparse=True)),
+        "vae": size_component(L.write_safetensors(d / "wan_2.1_vae.safetensors", L.wan_vae(), sparse=True)),
+    }
+    assert sizes["dit"].total_bytes == pytest.approx(14.3e9, rel=0.01)
+    return sizes
+
+
+def plan22(sizes, spec, workload=HD_81, **policy):
+    return make_plan([Component(role, size) for role, size in sizes.items()], parse_spec(spec), workload,
+                     Policy(**policy))
+
+
+def _experts(p: Plan):
+    return p.placement("dit"), p.placement("dit_low_noise")
+
+
+def test_two_experts_on_one_big_gpu_are_both_resident(wan22):
+    p = plan22(wan22, "1x80GiB,cpu=64GiB")
+    high, low = _experts(p)
+    assert (high.strategy, high.devices, high.experts) == ("single", ["cuda:0"], BOTH_RESIDENT)
+    assert (low.strategy, low.devices, low.experts) == ("single", ["cuda:0"], BOTH_RESIDENT)
+    gpu = next(u for u in p.usage if u.device == "cuda:0")
+    assert gpu.by_phase["sample"] >= high.weight_bytes + low.weight_bytes
+    assert "switching experts moves no weights" in high.reasons[0]
+    assert_within_budgets(p)
+
+
+def test_two_experts_sharded_both_resident_when_both_shards_and_one_working_fit(wan22):
+    """640x640 (ComfyUI's Wan 2.2 template size) on 2x24GiB: 6.9 + 6.9 GiB of shards + 6 GiB working for one
+    expert at a time fit in 23.5 GiB per rank, so switching experts reloads nothing."""
+    p = plan22(wan22, "2x24GiB,cpu=64GiB", Workload(640, 640, 81, 1, True))
+    high, low = _experts(p)
+    for placed in (high, low):
+        assert (placed.strategy, placed.devices, placed.experts) == ("fsdp", ["cuda:0", "cuda:1"], BOTH_RESIDENT)
+        assert placed.switch_s is None
+    for u in p.usage[:2]:
+        assert u.by_phase["sample"] == (high.resident_bytes[u.device] + low.resident_bytes[u.device]
+                                        + max(high.working_bytes[u.device], low.working_bytes[u.device]))
+        assert "DiT shards (2 experts)" in u.holds
+    assert any("both resident" in r and "reloads nothing" in r for r in high.reasons)
+    assert_within_budgets(p)
+
+
+def test_wan22_a14b_fp8_on_two_24gib_gpus_at_720p_takes_the_experts_one_at_a_time(wan22):
+    """The README's plan: both shards (2 x 6.9 GiB) plus one expert's 720p working memory (10.7 GiB) is 24.4 GiB
+    per rank, over the 23.5 GiB budget; one at a time needs 17.5 GiB. Each switch reads the next expert's 1/2 per
+    rank, 14.3 GB from one disk: ~7.1 s at 2 GB/s, two switches per prompt."""
+    p = plan22(wan22, "2x24GiB,cpu=64GiB")
+    high, low = _experts(p)
+    assert (high.strategy, high.devices, high.experts) == ("fsdp", ["cuda:0", "cuda:1"], ONE_AT_A_TIME)
+    assert (low.strategy, low.devices, low.experts) == ("fsdp", ["cuda:0", "cuda:1"], ONE_AT_A_TIME)
+    assert high.reshard_after_forward and low.reshard_after_forward
+    assert high.switch_s == pytest.approx(wan22["dit"].total_bytes / DISK_BYTES_PER_S, abs=0.01)
+    assert high.switch_s == pytest.approx(7.1, abs=0.1)
+    shard, working = high.resident_bytes["cuda:1"], high.working_bytes["cuda:1"]
+    budget = p.usage[1].budget_bytes
+    assert 2 * shard + working > budget >= shard + working   # both do not fit, one does
+    assert p.usage[1].by_phase["sample"] == shard + working   # the plan counts one expert's shard, never both
+    text = "\n".join(high.reasons)
+    assert "both experts resident would need 24.4 GiB per rank" in text and "over the 23.5 GiB budget" in text
+    assert "one expert at a time (17.5 GiB per rank)" in text
+    assert "~7.1 s at an assumed 2 GB/s (NVMe)" in text and "~14.3 s per prompt" in text
+    assert "page cache" in text   # 64 GiB of host RAM holds both files
+    assert low.reasons == ["the low-noise expert: fsdp on the same devices as the high-noise one (one at a time; "
+                           "see dit)"]
+    assert "DiT shard (1 expert at a time)" in p.usage[0].holds
+    assert_within_budgets(p)
+    assert Plan.from_json(p.to_json()) == p
+    # streaming both experts from host RAM every step is the last resort, after taking turns
+    assert _experts(plan22(wan22, "2x24GiB,cpu=64GiB", allow_offload=True))[0].experts == ONE_AT_A_TIME
+    assert p.expert(low.file) is low and p.expert(high.file) is high and p.expert("other.safetensors") is None
+
+
+def test_one_expert_at_a_time_on_one_gpu_keeps_the_other_in_host_ram(wan22):
+    p = plan22(wan22, "1x24GiB,cpu=64GiB", Workload(640, 640, 81, 1, True))
+    high, low = _experts(p)
+    assert (high.strategy, high.experts) == ("single", ONE_AT_A_TIME)
+    host = next(u for u in p.usage if u.device == "cpu")
+    assert host.by_phase["sample"] == high.weight_bytes   # the idle expert, where ComfyUI moves it
+    assert "moves the other to host RAM" in high.reasons[0] and "~1.4 s at an assumed 10 GB/s" in high.reasons[0]
+    assert_within_budgets(p)
+
+
+def test_experts_that_do_not_fit_even_one_at_a_time_say_both_needs(wan22):
+    with pytest.raises(PlanError) as info:
+        plan22(wan22, "2x16GiB,cpu=64GiB")
+    msg = str(info.value)
+    assert msg.startswith("cannot place the DiT experts (") and "low_noise" in msg
+    assert "both DiT experts (resident together) sharded over 2 GPUs needs 24.4 GiB per rank" in msg
+    assert "one DiT expert at a time sharded over 2 GPUs needs 17.5 GiB per rank" in msg
+    assert "smallest budget is 15.5 GiB" in msg and "fewer frames" in msg
+
+
+def test_a_low_noise_expert_needs_the_first_one(wan22):
+    with pytest.raises(ValueError, match="give the first .* expert as dit"):
+        make_plan([Component("dit_low_noise", wan22["dit"])], parse_spec("1x80GiB"), HD_81)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=gpu_sizes, host=st.sampled_from([16, 32, 64, 256]), width=st.sampled_from([640, 832, 1280]),
+       height=st.sampled_from([480, 640, 720]), frames=st.sampled_from([1, 49, 81, 121]), cfg=st.booleans(),
+       offload=st.booleans(), speed=st.booleans())
+def test_two_experts_never_overcommit_a_device(wan22, sizes, host, width, height, frames, cfg, offload, speed):
+    """Whatever the machine: both experts on the same devices with one strategy, and each phase's bytes are the
+    placements' (of two experts one at a time, the larger one's; the working memory of one expert at a time)."""
+    spec = ",".join([f"cuda:{i}={s}GiB" for i, s in enumerate(sizes)] + [f"cpu={host}GiB"])
+    try:
+        p = plan22(wan22, spec, Workload(width, height, frames, 1, cfg), allow_offload=offload, prefer_speed=speed)
+    except PlanError as e:
+        assert e.needs and "ways out" in str(e)
+        return
+    high, low = _experts(p)
+    assert (high.strategy, high.devices, high.experts) == (low.strategy, low.devices, low.experts)
+    assert high.experts in (BOTH_RESIDENT, ONE_AT_A_TIME)
+    for u in p.usage:
+        assert max(u.by_phase.values()) == u.peak_bytes <= u.budget_bytes
+        held = [pl.resident_bytes.get(u.device, 0) for pl in (high, low)]
+        dit = max(held) if high.experts == ONE_AT_A_TIME else sum(held)
+        working = max(pl.working_bytes.get(u.device, 0) for pl in (high, low))
+        others = sum(pl.working_bytes.get(u.device, 0) for pl in p.placements if pl.role == "vae")
+        if dit or working:
+            assert u.by_phase["sample"] >= dit + working
+        assert u.by_phase["decode"] >= others
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_a_loader_without_a_plan_weighs_a_second_model_against_the_ranks_free_memory(wan22):
+    """What the ranks report is what is left beside the models already there: the low-noise expert's shard and
+    working memory (and its kept gathered weights, if it keeps them, and what the others keep) against it."""
+    low = Component("dit", wan22["dit_low_noise"])
+    ranks = lambda free: [d for d in parse_spec(f"2x{free}GiB") if d.kind == "cuda"]  # noqa: E731
+    fits, why = fits_beside(low, ranks(16), SD_81, keep=False)
+    assert fits and "per rank (6.9 GiB shard + " in why and "cuda:0 needs" in why
+    fits, why = fits_beside(low, ranks(12), SD_81, keep=False)
+    assert not fits and "has 11.5 GiB" in why
+    assert not fits_beside(low, ranks(16), SD_81, keep=True)[0]            # + its whole gathered model
+    assert not fits_beside(low, ranks(16), SD_81, keep=False, held=4 * GiB)[0]
+    host = next(d for d in parse_spec("cpu=24GiB") if d.kind == "cpu")
+    assert not fits_beside(low, [host, host], SD_81, keep=False)[0]   # cpu ranks share the host's RAM
+
+
+# --- LTX-2 (audio + video, 19B) + Gemma 3 12B on 2 x 24 GiB -------------------------------------------------------
+
+LTX2_720P = Workload(width=1280, height=720, frames=121, batch=1, cfg=True)   # ComfyUI's LTX-2 template: 720p, 121
+
+
+@pytest.fixture(scope="module")
+def ltx2(tmp_path_factory):
+    """LTX-2 19B as Lightricks ship it (bf16 and an fp8 recast) and Gemma 3 12B in ComfyUI's text-only layout
+    (Comfy-Org's gemma_3_12B_it.safetensors, ComfyUI's LTX-2 text encoder)."""
+    d = tmp_path_factory.mktemp("ltx2")
+    sizes = {
+        "bf16": size_component(L.write_safetensors(d / "ltx-2-19b-dev.safetensors", L.ltx2_19b(), sparse=True)),
+        "fp8": size_component(L.write_safetensors(d / "ltx-2-19b-dev-fp8.safetensors",
+                                                  L.recast(L.ltx2_19b(), "F8_E4M3"), sparse=True)),
+        "gemma": size_component(L.write_safetensors(d / "gemma_3_12B_it.safetensors", L.gemma3_12b("comfy"),
+                                                    sparse=True)),
+    }
+    assert sizes["bf16"].family == sizes["fp8"].family == "ltx2-av"
+    assert sizes["bf16"].params == pytest.approx(19.6e9, rel=0.01)
+    return sizes
+
+
+def ltx2_plan(sizes, dit: str, spec: str = "2x24GiB,cpu=64GiB", workload: Workload = LTX2_720P, **policy) -> Plan:
+    return make_plan([Component("dit", sizes[dit]), Component("text_encoder", sizes["gemma"])], parse_spec(spec),
+                     workload, Policy(**policy))
+
+
+def test_ltx2_bf16_does_not_fit_two_24gib_gpus_and_says_fp8(ltx2):
+    with pytest.raises(PlanError) as info:
+        ltx2_plan(ltx2, "bf16")
+    msg = str(info.value)
+    assert "DiT sharded over 2 GPUs needs" in msg and "fp8" in msg
+
+
+def test_ltx2_fp8_samples_on_one_gpu_after_gemma_encodes_split_over_both(ltx2):
+    """The fp8 DiT (18.2 GiB) fits one 24 GiB GPU with its working memory; Gemma 3 12B (21.9 GiB) fits neither GPU
+    beside it, so it encodes split over both and is freed before sampling."""
+    p = ltx2_plan(ltx2, "fp8")
+    assert strategies(p) == {"dit": ("single", ["cuda:0"]), "text_encoder": ("split", ["cuda:0", "cuda:1"])}
+    te = p.placement("text_encoder")
+    assert sum(te.resident_bytes.values()) == te.weight_bytes
+    for use in p.usage[:2]:   # the encoder's shares only while encoding; cuda:1 idles while cuda:0 samples
+        assert use.by_phase["encode"] == te.resident_bytes[use.device] + te.working_bytes[use.device]
+    assert next(u for u in p.usage if u.device == "cuda:1").by_phase["sample"] == 0
+    assert_within_budgets(p)
+
+
+def test_ltx2_fp8_for_speed_shards_over_both_and_splits_cfg_not_tokens(ltx2):
+    """Asked for speed, the DiT shards over both GPUs, one CFG row each. LTX-2 is its own family: LTX-Video's
+    sequence-parallel adapter does not fit its two streams, so a cfg-1 (distilled) run splits nothing."""
+    p = ltx2_plan(ltx2, "fp8", prefer_speed=True)
+    dit = p.placement("dit")
+    assert (dit.strategy, dit.devices, dit.cfg_degree, dit.sp_degree) == ("fsdp", ["cuda:0", "cuda:1"], 2, 1)
+    assert_within_budgets(p)
+    distilled = ltx2_plan(ltx2, "fp8", workload=Workload(1280, 720, 121, 1, cfg=False), prefer_speed=True)
+    assert distilled.placement("dit").sp_degree == 1
+    assert any("no sequence-parallel adapter" in r for r in distilled.placement("dit").reasons)

@@ -230,3 +230,62 @@ def test_plan_route_needs_a_json_body(server: ComfyServer):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 400 and json.loads(info.value.read()) == {"error": "the body must be JSON"}
+
+
+# --- a second DiT expert (Wan 2.2 A14B) ------------------------------------------------------------------------------
+
+EXPERTS = {"diffusion_models": ["high.safetensors", "low.safetensors"], "text_encoders": ["umt5.safetensors"],
+           "vae": ["vae.safetensors"]}
+
+
+def test_a_second_expert_is_an_optional_field_named_like_the_node_input():
+    req = mf.parse_plan_request({"dit": "high.safetensors", "dit_low_noise": "low.safetensors"}, EXPERTS.get)
+    assert (req.dit, req.dit_low_noise) == ("high.safetensors", "low.safetensors")
+    assert mf.parse_plan_request({"dit": "high.safetensors", "dit_low_noise": "none"}, EXPERTS.get).dit_low_noise is None
+    assert mf.parse_plan_request({"dit": "high.safetensors"}, EXPERTS.get).dit_low_noise is None
+    with pytest.raises(mf.BadRequest, match="dit_low_noise: '../x.safetensors' leaves the diffusion_models folder"):
+        mf.parse_plan_request({"dit": "high.safetensors", "dit_low_noise": "../x.safetensors"}, EXPERTS.get)
+
+
+@pytest.fixture(scope="module")
+def expert_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("experts")
+    for name in ("high.safetensors", "low.safetensors"):
+        L.write_safetensors(d / name, L.wan21_t2v_14b(), sparse=True)   # bf16, recast to fp8 by the request
+    L.write_safetensors(d / "umt5.safetensors", L.recast(L.umt5_xxl(), "F8_E4M3"), sparse=True)
+    L.write_safetensors(d / "vae.safetensors", L.wan_vae(), sparse=True)
+    return d
+
+
+@pytest.mark.parametrize("width, height, experts", [(640, 640, "both_resident"), (1280, 720, "one_at_a_time")])
+def test_two_experts_are_planned_together_and_the_chart_adds_up(expert_dir, width, height, experts):
+    req = mf.PlanRequest(dit="high.safetensors", dit_low_noise="low.safetensors", text_encoder="umt5.safetensors",
+                         vae="vae.safetensors", width=width, height=height, dit_weight_dtype="fp8_e4m3fn",
+                         devices="2x24GiB,cpu=64GiB")
+    plan = mf.make_plan_for(req, lambda folder, name: str(expert_dir / name))
+    assert [p.role for p in plan.placements] == ["dit", "dit_low_noise", "text_encoder", "vae"]
+    high, low = plan.placement("dit"), plan.placement("dit_low_noise")
+    assert (high.experts, low.experts, low.weight_dtype) == (experts, experts, "fp8_e4m3fn")   # dtype for both
+    assert low.file.endswith("low.safetensors") and high.devices == low.devices == ["cuda:0", "cuda:1"]
+    for row, use in zip(mf.chart(plan), plan.usage):
+        for ph in row["phases"]:
+            assert sum(s["bytes"] for s in ph["segments"]) == ph["bytes"] == use.by_phase[ph["phase"]]
+        labels = [s["label"] for ph in row["phases"] for s in ph["segments"]]
+        if use.device != "cpu":
+            expected = (["DiT shard weights (one expert at a time)"] if experts == "one_at_a_time"
+                        else ["DiT shard weights (high noise)", "DiT shard weights (low noise)"])
+            assert [lb for lb in labels if "weights (" in lb][:len(expected)] == expected
+            assert {s["kind"] for ph in row["phases"] for s in ph["segments"]} <= {"dit", "working", "text_encoder",
+                                                                                   "vae"}
+
+
+@pytest.mark.comfyui
+def test_plan_route_plans_a_second_expert(server: ComfyServer):
+    status, got = server._request("POST", "/mgpu/plan", {"dit": WAN, "dit_low_noise": WAN, "width": 64, "height": 64,
+                                                          "frames": 5, "devices": "2x24GiB,cpu=64GiB"})
+    assert status == 200, got
+    plan = Plan.from_dict(got["plan"])
+    assert [(p.role, p.experts) for p in plan.placements] == [("dit", "both_resident"),
+                                                               ("dit_low_noise", "both_resident")]
+    status, got = server._request("POST", "/mgpu/plan", {"dit": WAN, "dit_low_noise": "../" + WAN})
+    assert status == 400 and "dit_low_noise" in got["error"]

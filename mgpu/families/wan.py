@@ -47,13 +47,17 @@ class _SpForward:
         self.sizes = None
 
     def cut(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """This rank's rows of dim 1 of a per-token tensor; size 1 there (shared by all tokens) stays whole."""
+        """This rank's rows of dim 1 of a per-token tensor (or per latent frame, spread over the frame's tokens);
+        size 1 there (shared by all tokens) stays whole."""
         total = sum(self.sizes)
         if t.shape[1] == total:
             lo, hi = token_range(self.sizes, self.index)
             return t[:, lo:hi]
         if t.shape[1] == 1:
             return t
+        if total % t.shape[1] == 0:   # one row per latent frame (ComfyUI's WAN22.process_timestep for Wan 2.2 TI2V):
+            lo, hi = token_range(self.sizes, self.index)   # each frame's tokens take its row, as repeat_e spreads it
+            return t[:, torch.arange(lo, hi, device=t.device) // (total // t.shape[1])]
         raise ShardingError(f"WanModel sequence parallelism: {what} has {t.shape[1]} token rows for {total} tokens, "
                             "so its rows cannot be split with the tokens; run this model without sequence "
                             "parallelism (sp_degree 1)")

@@ -41,9 +41,17 @@ from mgpu.planning.estimates import (
 from mgpu.planning import parallel
 from mgpu.planning.sizing import ComponentSize
 
-ROLES = ("text_encoder", "dit", "vae")
+ROLES = ("text_encoder", "dit", "dit_low_noise", "vae")
 PHASES = ("encode", "sample", "decode")
-_PHASE_OF = {"text_encoder": "encode", "dit": "sample", "vae": "decode"}
+_PHASE_OF = {"text_encoder": "encode", "dit": "sample", "dit_low_noise": "sample", "vae": "decode"}
+# A DiT in two experts (Wan 2.2 A14B): "dit" denoises the first steps (high noise), "dit_low_noise" the rest.
+EXPERT_ROLES = ("dit", "dit_low_noise")
+BOTH_RESIDENT, ONE_AT_A_TIME = "both_resident", "one_at_a_time"
+# Assumed speeds for the cost of switching experts, stated in the plan's reasons: reading an expert's file from an
+# NVMe SSD, and copying an expert ComfyUI moved to host RAM back to its GPU (pageable memory over PCIe 4.0).
+DISK_BYTES_PER_S = 2e9
+HOST_TO_GPU_BYTES_PER_S = 10e9
+SWITCHES_PER_PROMPT = 2   # to the high-noise expert at the first step, to the low-noise one at the switch step
 
 
 @dataclass
@@ -88,6 +96,10 @@ class Placement:
     reshard_after_forward: bool = True  # FSDP only: False keeps the gathered weights between steps
     reasons: list[str] = field(default_factory=list)
     layers_by_device: dict[str, list[int]] = field(default_factory=dict)  # split only: [first, last] block per device
+    # Two DiT experts: BOTH_RESIDENT (both held, one computing at a time) or ONE_AT_A_TIME (the MGPU loaders free
+    # one expert's shards before the other loads); None for a single DiT and every other component.
+    experts: str | None = None
+    switch_s: float | None = None  # ONE_AT_A_TIME: estimated seconds to load this expert at a switch
 
 
 @dataclass
@@ -114,6 +126,11 @@ class Plan:
 
     def placement(self, role: str) -> Placement | None:
         return next((p for p in self.placements if p.role == role), None)
+
+    def expert(self, file: str) -> Placement | None:
+        """The placement of the DiT expert whose file is ``file`` in a two-expert plan; None otherwise (a plan of
+        one DiT, or a file the plan does not name). A loader finds its own expert by its file."""
+        return next((p for p in self.placements if p.experts and p.file == file), None)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -184,7 +201,7 @@ class _Ledger:
 
 def phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]:
     """The phases in which a component's weights occupy its device."""
-    if role == "dit":
+    if role in EXPERT_ROLES:
         # Rank processes and pinned host copies are outside ComfyUI's model management: they persist.
         return PHASES if strategy in ("fsdp", "offload") else ("sample", "decode")
     if role == "text_encoder":
@@ -243,6 +260,24 @@ def _fsdp_need(comp: Component, wbytes: int, wl: Workload, degrees: parallel.Deg
     return resident, working, batch
 
 
+def _rank_budgets(per_rank: int, ranks: list[Device], policy: Policy) -> dict[str, tuple[int, int]]:
+    """(need, budget) per device for ``per_rank`` bytes on every rank; cpu ranks share the host's RAM, so there
+    the whole group's need is held against that one budget."""
+    budgets: dict[str, tuple[int, int]] = {}
+    for d in ranks:
+        reserve = policy.host_reserve_bytes if d.kind == "cpu" else policy.reserve_bytes
+        need, _ = budgets.get(d.id, (0, 0))
+        budgets[d.id] = (need + per_rank, max(0, d.free_bytes - reserve))
+    return budgets
+
+
+def _rank_need(comp: Component, ranks: int, wl: Workload, policy: Policy) -> tuple[int, int, int]:
+    """(shard, working, whole gathered model) per rank of a DiT sharded over ``ranks`` ranks."""
+    wbytes = weight_bytes(comp.size, comp.weight_dtype)
+    resident, working, _ = _fsdp_need(comp, wbytes, wl, _degrees(comp, wl, ranks, policy), policy)
+    return resident, working, weight_bytes(gathered_size(comp.size), comp.weight_dtype)
+
+
 def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Policy | None = None) -> tuple[bool, str]:
     """Whether a DiT sharded over exactly ``ranks`` can keep its gathered weights between steps, and why: the call
     a plan makes, for a loader set to fsdp with no MGPU Plan connected. Resharding after every step all-gathers the
@@ -251,15 +286,8 @@ def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Po
     ``ranks``: one Device per rank, as the inventory reports them now; cpu ranks share the host's RAM, so there the
     whole group's need is held against that one budget."""
     policy = policy or Policy()
-    wbytes = weight_bytes(comp.size, comp.weight_dtype)
-    resident, working, _ = _fsdp_need(comp, wbytes, wl, _degrees(comp, wl, len(ranks), policy), policy)
-    kept = weight_bytes(gathered_size(comp.size), comp.weight_dtype)
-    per_rank = resident + kept + working
-    budgets: dict[str, tuple[int, int]] = {}   # device -> (need, budget)
-    for d in ranks:
-        reserve = policy.host_reserve_bytes if d.kind == "cpu" else policy.reserve_bytes
-        need, _ = budgets.get(d.id, (0, 0))
-        budgets[d.id] = (need + per_rank, max(0, d.free_bytes - reserve))
+    resident, working, kept = _rank_need(comp, len(ranks), wl, policy)
+    budgets = _rank_budgets(resident + kept + working, ranks, policy)
     short = [f"{dev} needs {format_bytes(need)}, has {format_bytes(budget)}"
              for dev, (need, budget) in budgets.items() if need > budget]
     if short:
@@ -270,69 +298,188 @@ def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Po
                   + ")")
 
 
-def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
-               ledger: _Ledger, attempts: list[str]) -> Placement:
-    size = comp.size
-    wbytes = weight_bytes(size, comp.weight_dtype)
-    base = dict(role="dit", file=size.path, family=size.family, weight_dtype=_dtype_name(size, comp.weight_dtype),
-                weight_bytes=wbytes)
-    by_budget = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index))
+def fits_beside(comp: Component, ranks: list[Device], wl: Workload, *, keep: bool, held: int = 0,
+                policy: Policy | None = None) -> tuple[bool, str]:
+    """Whether a DiT sharded over ``ranks`` fits beside the models already loaded there, and why: the call a loader
+    with no MGPU Plan makes when its ranks hold another model (Wan 2.2's other expert). If not, the two take turns.
 
-    def fsdp(group: list[Device], why: str) -> Placement | None:
-        degrees = _degrees(comp, wl, len(group), policy)
-        resident, working, batch = _fsdp_need(comp, wbytes, wl, degrees, policy)
+    ``ranks``: one Device per rank with the free memory the ranks report now, so the shards already loaded are
+    taken; ``held``: per rank bytes those models take later when they run (their kept gathered weights); ``keep``:
+    this model keeps its own gathered weights."""
+    policy = policy or Policy()
+    resident, working, kept = _rank_need(comp, len(ranks), wl, policy)
+    per_rank = resident + working + (kept if keep else 0) + held
+    budgets = _rank_budgets(per_rank, ranks, policy)
+    parts = [f"{format_bytes(resident)} shard", f"{format_bytes(working)} working"]
+    parts += [f"{format_bytes(kept)} kept gathered"] if keep else []
+    parts += [f"{format_bytes(held)} the other models keep gathered"] if held else []
+    text = "; ".join(f"{dev} needs {format_bytes(n)}, has {format_bytes(b)}" for dev, (n, b) in budgets.items())
+    return (all(n <= b for n, b in budgets.values()),
+            f"{format_bytes(per_rank)} per rank ({' + '.join(parts)}) beside them: {text}")
+
+
+def _switch_s(size: ComponentSize) -> float:
+    """Seconds to load an expert again at a switch: every rank reads its 1/N of the file at once, all from the
+    same disk, so the whole file passes through the disk once."""
+    return size.total_bytes / DISK_BYTES_PER_S
+
+
+def _expert_reasons(experts: list[Component], mode: str, group: list[Device], shards: list[int], working: int,
+                    kept: int, budget: int, host: Device | None, ledger: _Ledger) -> list[str]:
+    """The two-expert decision of an FSDP group with its numbers: both resident, or one at a time and its cost.
+    ``kept``: per rank bytes of the gathered weights the plan keeps between steps (0 when it reshards)."""
+    n, both = len(group), sum(shards) + working + kept
+    split = " + ".join(format_bytes(b) for b in shards) + (f" + {format_bytes(kept)} kept gathered" if kept else "")
+    if mode == BOTH_RESIDENT:
+        return [f"two experts (high noise, then low noise from the switch step) on the same {n} ranks, both "
+                f"resident: {split} of shards + {format_bytes(working)} working for one expert at a time = "
+                f"{format_bytes(both)} per rank of {format_bytes(budget)}; switching experts reloads nothing"]
+    files = [c.size.total_bytes for c in experts]
+    switch = [_switch_s(c.size) for c in experts]
+    reasons = [f"both experts resident would need {format_bytes(both)} per rank ({split} of shards + "
+               f"{format_bytes(working)} working), over the {format_bytes(budget)} budget: one expert at a time "
+               f"({format_bytes(max(shards) + working + kept)} per rank). The MGPU loaders free one expert's shards "
+               "before the other loads, so both are never resident together",
+               f"each switch reads 1/{n} of the next expert's file on every rank ("
+               + ", ".join(f"{format_bytes(math.ceil(f / n))} per rank, {format_bytes(f)} from the disk in all"
+                           for f in dict.fromkeys(files))
+               + f"): ~{max(switch):.1f} s at an assumed {DISK_BYTES_PER_S / 1e9:g} GB/s (NVMe); "
+               f"{SWITCHES_PER_PROMPT} switches per prompt (the high-noise expert at the first step, the low-noise "
+               f"one at the switch step): ~{sum(switch):.1f} s per prompt"]
+    if host is not None and ledger.free(host.id) >= sum(files):
+        reasons.append(f"host RAM ({format_bytes(ledger.free(host.id))} free) can hold both files "
+                       f"({format_bytes(sum(files))}): after the first prompt the kernel's page cache usually serves "
+                       "these reads, faster than the disk")
+    return reasons
+
+
+def _place_dit(experts: list[Component], gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
+               ledger: _Ledger, attempts: list[str]) -> list[Placement] | None:
+    """The DiT, or the two experts of a two-expert DiT (``EXPERT_ROLES``) on the same devices with the same
+    strategy. Two experts are tried both resident on every GPU rung first, then one at a time: a plan that reloads
+    an expert twice per prompt is worse than one on more GPUs that reloads nothing, and better than streaming the
+    weights from host RAM every step (offload, or the CPU: both experts in host RAM), the last resorts."""
+    modes = (BOTH_RESIDENT, ONE_AT_A_TIME) if len(experts) > 1 else (None,)
+    for mode in modes:
+        placed = _dit_ladder(experts, mode, gpus, host, wl, policy, ledger, attempts, on_gpus=True)
+        if placed:
+            return placed
+    return _dit_ladder(experts, modes[0], gpus, host, wl, policy, ledger, attempts, on_gpus=False)
+
+
+def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], host: Device | None, wl: Workload,
+                policy: Policy, ledger: _Ledger, attempts: list[str], on_gpus: bool) -> list[Placement] | None:
+    """One DiT (``mode`` None) or two experts held ``mode``. ``on_gpus``: speed first if asked, then one GPU, then
+    the fewest GPUs sharded; else offload, then the CPU."""
+    comp, size = experts[0], experts[0].size
+    wbytes = [weight_bytes(c.size, c.weight_dtype) for c in experts]
+    bases = [dict(role=role, file=c.size.path, family=c.size.family, weight_dtype=_dtype_name(c.size, c.weight_dtype),
+                  weight_bytes=w) for role, c, w in zip(EXPERT_ROLES, experts, wbytes)]
+    by_budget = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index))
+    noun = {None: "DiT", BOTH_RESIDENT: "both DiT experts (resident together)",
+            ONE_AT_A_TIME: "one DiT expert at a time"}[mode]
+
+    def held(per_expert: list[int]) -> int:
+        """Bytes the experts take at once on a device: one expert's, or both."""
+        return max(per_expert) if mode == ONE_AT_A_TIME else sum(per_expert)
+
+    def placements(strategy: str, devices: list[str], resident: list[dict[str, int]], working: list[dict[str, int]],
+                   reasons: list[str], **fsdp) -> list[Placement]:
+        out = [Placement(**base, strategy=strategy, devices=list(devices), resident_bytes=res, working_bytes=work,
+                         reasons=reasons, experts=mode, **fsdp)
+               for base, res, work in zip(bases, resident, working)]
+        for p in out[1:]:
+            p.reasons = [f"the low-noise expert: {strategy} on the same devices as the high-noise one "
+                         f"({mode.replace('_', ' ')}; see dit)"]
+        if mode == ONE_AT_A_TIME and strategy == "fsdp":
+            for p, c in zip(out, experts):
+                p.switch_s = round(_switch_s(c.size), 2)
+        return out
+
+    def fsdp(group: list[Device], why: str) -> list[Placement] | None:
+        degrees = _degrees(comp, wl, len(group), policy)   # two experts share one architecture
+        needs = [_fsdp_need(c, w, wl, degrees, policy) for c, w in zip(experts, wbytes)]
+        kept = [weight_bytes(gathered_size(c.size), c.weight_dtype) for c in experts]
+        working, batch = max(n[1] for n in needs), needs[0][2]
         work = {d.id: working for d in group}
+        budget = min(ledger.free(d.id) for d in group)
+
+        def per_expert(keep: bool) -> list[int]:
+            return [n[0] + (k if keep else 0) for n, k in zip(needs, kept)]
+
         # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
-        # the full weights on every rank, so it is chosen only when that fits too.
-        keep = {d.id: resident + weight_bytes(gathered_size(size), comp.weight_dtype) for d in group}
-        need = _need("dit", "fsdp", policy, keep, work)
-        reshard = not ledger.fits(need)
-        res = {d.id: resident for d in group} if reshard else keep
-        need = _need("dit", "fsdp", policy, res, work)
+        # the full weights on every rank (of each resident expert), so it is chosen only when that fits too.
+        reshard = not ledger.fits(_need("dit", "fsdp", policy, {d.id: held(per_expert(True)) for d in group}, work))
+        resident = held(per_expert(not reshard))
+        need = _need("dit", "fsdp", policy, {d.id: resident for d in group}, work)
         if not ledger.fits(need):
-            attempts.append(f"DiT sharded over {len(group)} GPUs needs {format_bytes(resident + working)} per rank "
-                            f"({format_bytes(resident)} shard + {format_bytes(working)} working, batch {batch} per rank"
-                            + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
-                            + f"); smallest budget is {format_bytes(min(ledger.free(d.id) for d in group))}")
+            shard = ("shard" if mode is None else "of shards")
+            attempts.append(f"{noun} sharded over {len(group)} GPUs needs {format_bytes(resident + working)} per rank "
+                            f"({format_bytes(resident)} {shard} + {format_bytes(working)} working, batch {batch} "
+                            "per rank" + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
+                            + f"); smallest budget is {format_bytes(budget)}")
             return None
-        ledger.commit(need, "DiT shard")
+        ledger.commit(need, {None: "DiT shard", BOTH_RESIDENT: "DiT shards (2 experts)",
+                             ONE_AT_A_TIME: "DiT shard (1 expert at a time)"}[mode])
         if size.dims.get("hidden") and size.dims.get("layers"):
-            parallel.estimate(degrees, group, params=size.params, weight_bytes=wbytes, tokens=dit_tokens(size, wl),
-                              rows=wl.dit_batch, hidden=size.dims["hidden"], layers=size.dims["layers"],
-                              resharding=reshard)
-        reasons = [why, f"each rank holds 1/{len(group)} of the weights ({format_bytes(math.ceil(wbytes / len(group)))}) "
+            parallel.estimate(degrees, group, params=size.params, weight_bytes=wbytes[0],
+                              tokens=dit_tokens(size, wl), rows=wl.dit_batch, hidden=size.dims["hidden"],
+                              layers=size.dims["layers"], resharding=reshard)
+        n = len(group)
+        whose = "each expert's" if mode else "the"
+        reasons = [why, f"each rank holds 1/{n} of {whose} weights "
+                        f"({format_bytes(math.ceil(wbytes[0] / n))}) "
                         f"plus {policy.gathered_blocks} gathered blocks, an all-gather buffer and NCCL's buffers "
                         "while computing",
-                   f"split of each step: {degrees.cfg} (CFG/batch) x {degrees.sp} (sequence) over {len(group)} ranks",
+                   f"split of each step: {degrees.cfg} (CFG/batch) x {degrees.sp} (sequence) over {n} ranks",
                    *degrees.reasons, *(f"warning: {w}" for w in degrees.warnings)]
         if len({d.free_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
         if not reshard:
             reasons.append("memory allows keeping the gathered weights between steps: no all-gather after the "
                            "first step")
-        return Placement(**base, strategy="fsdp", devices=[d.id for d in group], resident_bytes=res,
-                         working_bytes=work, batch_per_rank=batch, cfg_degree=degrees.cfg, sp_degree=degrees.sp,
-                         reshard_after_forward=reshard, reasons=reasons)
+        if mode is not None:
+            kept_now = 0 if reshard else held(kept)
+            reasons += _expert_reasons(experts, mode, group, per_expert(False), working, kept_now, budget, host, ledger)
+        return placements("fsdp", [d.id for d in group], [{d.id: r for d in group} for r in per_expert(not reshard)],
+                          [{d.id: nd[1] for d in group} for nd in needs], reasons, batch_per_rank=batch,
+                          cfg_degree=degrees.cfg, sp_degree=degrees.sp, reshard_after_forward=reshard)
 
+    if not on_gpus:
+        return _dit_on_host(experts, mode, gpus, host, by_budget, wbytes, wl, policy, ledger, attempts, placements)
     if policy.prefer_speed and len(gpus) >= 2:
         group = sorted(gpus, key=lambda d: d.index)
         placed = fsdp(group, f"speed asked for: sharded over all {len(group)} GPUs")
         if placed:
             return placed
 
-    working1 = dit_working_bytes(size, wl, batch=1)
+    working1 = max(dit_working_bytes(c.size, wl, batch=1) for c in experts)
     for d in by_budget:
-        need = _need("dit", "single", policy, {d.id: wbytes}, {d.id: working1})
-        if ledger.fits(need):
-            ledger.commit(need, "DiT")
-            return Placement(**base, strategy="single", devices=[d.id], resident_bytes={d.id: wbytes},
-                             working_bytes={d.id: working1},
-                             reasons=[f"fits on {d.id} with {format_bytes(ledger.free(d.id))} to spare; CFG runs "
-                                      f"cond and uncond as ComfyUI does on one device"])
+        # one at a time on one GPU: ComfyUI's model management moves the idle expert to host RAM and back
+        resident = {d.id: held(wbytes), **({host.id: max(wbytes)} if mode == ONE_AT_A_TIME and host else {})}
+        need = _need("dit", "single", policy, resident, {d.id: working1})
+        if (mode != ONE_AT_A_TIME or host) and ledger.fits(need):
+            ledger.commit(need, {None: "DiT", BOTH_RESIDENT: "DiT (2 experts)",
+                                 ONE_AT_A_TIME: "DiT (1 expert at a time)"}[mode])
+            spare = format_bytes(ledger.free(d.id))
+            reasons = {None: [f"fits on {d.id} with {spare} to spare; CFG runs cond and uncond as ComfyUI does "
+                              "on one device"],
+                       BOTH_RESIDENT: [f"both experts fit on {d.id} ({' + '.join(map(format_bytes, wbytes))} "
+                                       f"weights + {format_bytes(working1)} working) with {spare} to spare; "
+                                       "switching experts moves no weights"],
+                       ONE_AT_A_TIME: [f"both experts do not fit on {d.id}: ComfyUI's model management keeps one "
+                                       f"there and moves the other to host RAM ({format_bytes(max(wbytes))}); each "
+                                       f"switch copies it back: ~{max(wbytes) / HOST_TO_GPU_BYTES_PER_S:.1f} s at "
+                                       f"an assumed {HOST_TO_GPU_BYTES_PER_S / 1e9:g} GB/s, {SWITCHES_PER_PROMPT} "
+                                       "switches per prompt"]}[mode]
+            keep_host = [{host.id: w} if mode == ONE_AT_A_TIME and host else {} for w in wbytes]
+            return placements("single", [d.id], [{d.id: w, **h} for w, h in zip(wbytes, keep_host)],
+                              [{d.id: working1} for _ in experts], reasons)
     if by_budget:
         best = by_budget[0]
-        attempts.append(f"DiT on one GPU needs {format_bytes(wbytes + working1)} ({format_bytes(wbytes)} weights + "
-                        f"{format_bytes(working1)} working); largest budget is {format_bytes(ledger.free(best.id))} on {best.id}")
+        attempts.append(f"{noun} on one GPU needs {format_bytes(held(wbytes) + working1)} "
+                        f"({format_bytes(held(wbytes))} weights + {format_bytes(working1)} working); largest budget "
+                        f"is {format_bytes(ledger.free(best.id))} on {best.id}")
 
     for k in range(2, len(gpus) + 1):
         # The k GPUs with the largest budgets: adding a smaller one can only lower the shared bound.
@@ -340,31 +487,40 @@ def _place_dit(comp: Component, gpus: list[Device], host: Device | None, wl: Wor
         placed = fsdp(group, f"too large for one GPU: sharded over the fewest GPUs that fit ({k})")
         if placed:
             return placed
+    return None
 
+
+def _dit_on_host(experts: list[Component], mode: str | None, gpus: list[Device], host: Device | None,
+                 by_budget: list[Device], wbytes: list[int], wl: Workload, policy: Policy, ledger: _Ledger,
+                 attempts: list[str], placements) -> list[Placement] | None:
+    """The last resorts, every expert's weights in host RAM: streamed to a GPU block by block, or computed on the
+    CPU when there is no GPU."""
+    size = experts[0].size
+    working1 = max(dit_working_bytes(c.size, wl, batch=1) for c in experts)
+    noun = "DiT" if mode is None else "both DiT experts"
     if host is not None and policy.allow_offload and by_budget:
         compute = by_budget[0]
-        stream = policy.gathered_blocks * _largest_block(size, wbytes)
-        need = _need("dit", "offload", policy, {host.id: wbytes}, {compute.id: working1 + stream})
+        stream = policy.gathered_blocks * _largest_block(size, wbytes[0])
+        need = _need("dit", "offload", policy, {host.id: sum(wbytes)}, {compute.id: working1 + stream})
         if ledger.fits(need):
             ledger.commit(need, "DiT (offload)")
-            return Placement(**base, strategy="offload", devices=[compute.id, host.id],
-                             resident_bytes={host.id: wbytes}, working_bytes={compute.id: working1 + stream},
-                             reasons=[f"weights stay in host RAM and are streamed block by block to {compute.id}: "
-                                      f"works, but every step moves {format_bytes(wbytes)} over the bus"])
+            return placements("offload", [compute.id, host.id], [{host.id: w} for w in wbytes],
+                              [{compute.id: working1 + stream} for _ in experts],
+                              [f"weights stay in host RAM and are streamed block by block to {compute.id}: works, "
+                               f"but every step moves {format_bytes(wbytes[0])} over the bus"])
         attempts.append(f"offload needs {format_bytes(working1 + stream)} on {compute.id} and "
-                        f"{format_bytes(wbytes)} of host RAM; host budget is {format_bytes(ledger.free(host.id))}")
+                        f"{format_bytes(sum(wbytes))} of host RAM; host budget is {format_bytes(ledger.free(host.id))}")
 
     if not gpus and host is not None:
-        working1 = dit_working_bytes(size, wl, batch=1, comfyui=False)   # no reservation in host RAM
-        need = _need("dit", "cpu", policy, {host.id: wbytes}, {host.id: working1})
+        working1 = max(dit_working_bytes(c.size, wl, batch=1, comfyui=False) for c in experts)   # no reservation
+        need = _need("dit", "cpu", policy, {host.id: sum(wbytes)}, {host.id: working1})
         if ledger.fits(need):
             ledger.commit(need, "DiT")
-            return Placement(**base, strategy="cpu", devices=[host.id], resident_bytes={host.id: wbytes},
-                             working_bytes={host.id: working1},
-                             reasons=["no GPU: the DiT runs on the CPU (correct, very slow)"])
-        attempts.append(f"DiT on the CPU needs {format_bytes(wbytes + working1)} of host RAM; budget is "
+            return placements("cpu", [host.id], [{host.id: w} for w in wbytes], [{host.id: working1} for _ in experts],
+                              ["no GPU: the DiT runs on the CPU (correct, very slow)"])
+        attempts.append(f"{noun} on the CPU needs {format_bytes(sum(wbytes) + working1)} of host RAM; budget is "
                         f"{format_bytes(ledger.free(host.id))}")
-    return None  # type: ignore[return-value]
+    return None
 
 
 def _place_simple(comp: Component, candidates: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
@@ -505,9 +661,29 @@ def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, w
     return ways
 
 
+def _plan_error(role: str, components: list[Component], devices: list[Device], workload: Workload, policy: Policy,
+                gpus: list[Device], ledger: _Ledger, attempts: list[str]) -> PlanError:
+    """What could not be placed, every attempt with its numbers, each device's budget, and the ways out."""
+    needs = [{"device": d.id, "budget_bytes": ledger.budget[d.id], "committed_bytes": max(ledger.used[d.id].values())}
+             for d in devices]
+    roles = EXPERT_ROLES if role == "dit" else (role,)
+    what = " and ".join(f"{c.size.path}, {format_bytes(c.size.total_bytes)}" for c in components if c.role in roles)
+    label = "DiT experts" if sum(c.role in EXPERT_ROLES for c in components) > 1 and role == "dit" else role
+    lines = [f"cannot place the {label.replace('_', ' ')} ({what}) "
+             f"for {workload.frames} frames at {workload.width}x{workload.height}, batch {workload.batch}, "
+             f"CFG {'on' if workload.cfg else 'off'}:"]
+    lines += [f"  - {a}" for a in attempts]
+    lines += [f"  - {n['device']}: budget {format_bytes(n['budget_bytes'])}, already committed "
+              f"{format_bytes(n['committed_bytes'])}" for n in needs]
+    lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload)))
+    return PlanError("\n".join(lines), needs=needs)
+
+
 def make_plan(components: list[Component], devices: list[Device], workload: Workload,
               policy: Policy | None = None) -> Plan:
-    """Place the components: DiT first (it decides sharding), then the text encoder, then the VAE.
+    """Place the components: DiT first (it decides sharding), then the text encoder, then the VAE. A
+    ``dit_low_noise`` component makes the DiT two experts (Wan 2.2 A14B) on the same devices: both resident when
+    memory allows, else one at a time with the cost of each switch in the reasons.
 
     Deterministic for the same input. Raises PlanError naming each device's need and budget, and the ways out.
     """
@@ -524,18 +700,23 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
     placements: list[Placement] = []
     attempts: list[str] = []
 
+    if "dit_low_noise" in by_role and "dit" not in by_role:
+        raise ValueError("dit_low_noise is the second expert of a two-expert DiT: give the first (high-noise) "
+                         "expert as dit")
+
     for role in ("dit", "text_encoder", "vae"):
         comp = by_role.get(role)
         if comp is None:
             continue
         if role == "dit":
-            placed = _place_dit(comp, gpus, host, workload, policy, ledger, attempts)
+            placed = _place_dit([by_role[r] for r in EXPERT_ROLES if r in by_role], gpus, host, workload, policy,
+                                ledger, attempts)
             if placed is not None:
                 from mgpu.weights.quant import fp8_plan_line   # imports torch, which planning otherwise needs not
 
-                if line := fp8_plan_line(placed.weight_dtype, [(d.id, d.capability) for d in devices
-                                                               if d.id in placed.devices]):
-                    placed.reasons.append(line)
+                if line := fp8_plan_line(placed[0].weight_dtype, [(d.id, d.capability) for d in devices
+                                                                  if d.id in placed[0].devices]):
+                    placed[0].reasons.append(line)
         elif role == "text_encoder":
             placed = _place_text_encoder(comp, gpus, host, workload, policy, ledger, attempts)
         else:
@@ -543,17 +724,8 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
             order = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index)) + ([host] if host else [])
             placed = _place_simple(comp, order, workload, policy, ledger, attempts)
         if placed is None:
-            needs = [{"device": d.id, "budget_bytes": ledger.budget[d.id], "committed_bytes": max(ledger.used[d.id].values())}
-                     for d in devices]
-            lines = [f"cannot place the {role.replace('_', ' ')} ({comp.size.path}, {format_bytes(comp.size.total_bytes)}) "
-                     f"for {workload.frames} frames at {workload.width}x{workload.height}, batch {workload.batch}, "
-                     f"CFG {'on' if workload.cfg else 'off'}:"]
-            lines += [f"  - {a}" for a in attempts]
-            lines += [f"  - {n['device']}: budget {format_bytes(n['budget_bytes'])}, already committed "
-                      f"{format_bytes(n['committed_bytes'])}" for n in needs]
-            lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload)))
-            raise PlanError("\n".join(lines), needs=needs)
-        placements.append(placed)
+            raise _plan_error(role, components, devices, workload, policy, gpus, ledger, attempts)
+        placements.extend(placed if isinstance(placed, list) else [placed])
 
     usage = [DeviceUse(device=d.id, budget_bytes=ledger.budget[d.id], peak_bytes=max(ledger.used[d.id].values()),
                        by_phase=dict(ledger.used[d.id]), holds=list(ledger.holds[d.id])) for d in devices]

@@ -231,3 +231,29 @@ def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     return {"local_param_bytes": _local_bytes(entry["model"]),
             "gathered_bytes_per_forward": _gathered_bytes(entry["model"], entry["param_dtype"]),
             "cached_tensors": len(entry["cache"]), "world_size": ctx.world_size, "layout": entry["layouts"].describe()}
+
+
+SIMULATED_FREE_ENV = "MGPU_SIMULATE_RANK_FREE"
+
+
+def memory(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """This rank's device memory now, which a loader weighs another model against: cuda, the driver's free memory
+    plus what this process's allocator caches unused; cpu, the host's available RAM (shared by every cpu rank).
+    ``MGPU_SIMULATE_RANK_FREE`` (a size such as 1GiB) is reported as the free memory instead, to see the decisions
+    a smaller machine makes (tests use it to force two models to take turns)."""
+    import os
+
+    import psutil
+
+    from mgpu.planning.devices import parse_bytes
+
+    if ctx.torch_device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(ctx.torch_device)
+        free += torch.cuda.memory_reserved(ctx.torch_device) - torch.cuda.memory_allocated(ctx.torch_device)
+    else:
+        ram = psutil.virtual_memory()
+        free, total = ram.available, ram.total
+    simulated = os.environ.get(SIMULATED_FREE_ENV)
+    if simulated:
+        free = parse_bytes(simulated)
+    return {"device": ctx.device, "free_bytes": int(free), "total_bytes": int(total), "simulated": bool(simulated)}
