@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
-from mgpu.families.sequence import gather_tokens, heads_to_seq, seq_to_heads, token_range, token_sizes
+from mgpu.families.sequence import exchanged_attention, gather_tokens, token_range, token_sizes
 
 _OFF = "run this model with sequence_parallel off (MGPU Load Diffusion Model) or sp_degree 1"
 # ComfyUI 0.33's attention for guide masks (comfy/ldm/lightricks/model.py), looked up in the network's own module
@@ -153,18 +153,15 @@ class _SpForward:
         if args or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape"):
             raise ShardingError("LTXVModel sequence parallelism: the self-attention was called with a mask or "
                                 f"another layout than [batch, tokens, heads x dim]; {_OFF}")
-        b, local, inner = q.shape
-        size = inner // heads
-        qkv = seq_to_heads(torch.stack([t.view(b, local, heads, size) for t in (q, k, v)], dim=3),
-                           self.sizes, self.group)                  # [B, tokens, heads / P, 3, head dim]
-        tokens, group_heads = qkv.shape[1], heads // self.parts
-        q, k, v = (qkv[:, :, :, i].reshape(b, tokens, group_heads * size) for i in range(3))
         if guide is not None:
-            out = self.guide_attention(q, k, v, group_heads, guide, kwargs.get("attn_precision"), options)
+            def attend(q, k, v, local_heads):
+                return self.guide_attention(q, k, v, local_heads, guide, kwargs.get("attn_precision"), options)
         else:
-            attend = func if outer is None else functools.partial(outer, func)
-            out = attend(q, k, v, heads=group_heads, **kwargs)
-        return heads_to_seq(out.view(b, tokens, group_heads, size), self.sizes, self.group).reshape(b, local, inner)
+            kernel = func if outer is None else functools.partial(outer, func)
+
+            def attend(q, k, v, local_heads):
+                return kernel(q, k, v, heads=local_heads, **kwargs)
+        return exchanged_attention(attend, q, k, v, heads, self.sizes, self.group)
 
 
 def parallelize_ltxv(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:

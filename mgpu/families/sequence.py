@@ -9,6 +9,7 @@ with ``heads / degree`` whole heads over every token, which is the single-device
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,22 @@ def heads_to_seq(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) ->
     recv = send.new_empty((parts * local, b, group_heads, *rest))
     dist.all_to_all_single(recv, send, output_split_sizes=[local] * parts, input_split_sizes=sizes, group=group)
     return recv.unflatten(0, (parts, local)).movedim(0, 2).movedim(0, 1).flatten(2, 3)
+
+
+def exchanged_attention(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, sizes: list[int],
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """Ulysses around one self-attention: q, k, v as [B, local tokens, heads x dim] go through one all-to-all to
+    (all tokens, this rank's heads), ``attend(q, k, v, local heads)`` runs the model's own attention there, and its
+    output comes back to [B, local tokens, heads x dim]."""
+    b, local, inner = q.shape
+    size = inner // heads
+    qkv = seq_to_heads(torch.stack([t.view(b, local, heads, size) for t in (q, k, v)], dim=3),
+                       sizes, group)                  # [B, tokens, heads / P, 3, head dim]
+    tokens, group_heads = qkv.shape[1], heads // len(sizes)
+    q, k, v = (qkv[:, :, :, i].reshape(b, tokens, group_heads * size) for i in range(3))
+    out = attend(q, k, v, group_heads)
+    return heads_to_seq(out.view(b, tokens, group_heads, size), sizes, group).reshape(b, local, inner)
 
 
 def gather_tokens(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
-from mgpu.families.sequence import gather_tokens, heads_to_seq, seq_to_heads, token_range, token_sizes
+from mgpu.families.sequence import exchanged_attention, gather_tokens, token_range, token_sizes
 
 
 class _SpForward:
@@ -105,15 +105,9 @@ class _SpForward:
         if args or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape"):
             raise ShardingError("WanModel sequence parallelism: the self-attention was called with a mask or "
                                 "another layout than [batch, tokens, heads x dim]; use sp_degree 1")
-        b, local, inner = q.shape
-        size = inner // heads
-        qkv = seq_to_heads(torch.stack([t.view(b, local, heads, size) for t in (q, k, v)], dim=3),
-                           self.sizes, self.group)                  # [B, tokens, heads / P, 3, head dim]
-        tokens, group_heads = qkv.shape[1], heads // self.parts
-        q, k, v = (qkv[:, :, :, i].reshape(b, tokens, group_heads * size) for i in range(3))
         attend = func if outer is None else functools.partial(outer, func)
-        out = attend(q, k, v, heads=group_heads, **kwargs)
-        return heads_to_seq(out.view(b, tokens, group_heads, size), self.sizes, self.group).reshape(b, local, inner)
+        return exchanged_attention(lambda q, k, v, local_heads: attend(q, k, v, heads=local_heads, **kwargs),
+                                   q, k, v, heads, self.sizes, self.group)
 
 
 def parallelize_wan(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:

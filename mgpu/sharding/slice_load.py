@@ -55,6 +55,24 @@ class LoadReport:
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def count(self, nbytes: int, checkpoint_bytes: int, sharded: bool) -> None:
+        """One tensor loaded: ``nbytes`` read from disk (its rows, or all of an unsharded one) of a checkpoint
+        tensor of ``checkpoint_bytes``."""
+        if nbytes:
+            self.reads += 1
+            self.max_read_bytes = max(self.max_read_bytes, nbytes)
+        self.tensors_read += 1
+        self.checkpoint_bytes += checkpoint_bytes
+        if sharded:
+            self.sharded_bytes_read += nbytes
+        else:
+            self.unsharded_bytes_read += nbytes
+
+    def finish(self, began: float) -> LoadReport:
+        self.bytes_read = self.sharded_bytes_read + self.unsharded_bytes_read
+        self.seconds = time.perf_counter() - began
+        return self
+
 
 def shard_row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rows ``[start, stop)`` of dim 0 that FSDP2 gives ``rank``: ``torch.chunk`` semantics.
@@ -190,14 +208,5 @@ def load_sharded(model: nn.Module, path: str | os.PathLike, *, key_map: Callable
                 raw = _read(files[file], info.start + start * row_bytes, nbytes, file)
                 dest = t.to_local() if isinstance(t, DTensor) else t
                 dest.copy_(torch.frombuffer(raw, dtype=SAFETENSORS_DTYPES[info.dtype]).view(dest.shape))
-                report.reads += 1
-                report.max_read_bytes = max(report.max_read_bytes, nbytes)
-            report.tensors_read += 1
-            report.checkpoint_bytes += info.nbytes
-            if rows:
-                report.sharded_bytes_read += nbytes
-            else:
-                report.unsharded_bytes_read += nbytes
-    report.bytes_read = report.sharded_bytes_read + report.unsharded_bytes_read
-    report.seconds = time.perf_counter() - began
-    return report
+            report.count(nbytes, info.nbytes, sharded=rows is not None)
+    return report.finish(began)

@@ -432,16 +432,5 @@ def load_gguf_sharded(model: nn.Module, path: str | os.PathLike, *, prefix: str 
         for name, t in targets.items():
             info = header.tensors[keys[name]]
             rows = _local_rows(name, t)
-            nbytes = _fill(_local(t), info, rows, f, path)
-            if nbytes:
-                report.reads += 1
-                report.max_read_bytes = max(report.max_read_bytes, nbytes)
-            report.tensors_read += 1
-            report.checkpoint_bytes += info.nbytes
-            if rows:
-                report.sharded_bytes_read += nbytes
-            else:
-                report.unsharded_bytes_read += nbytes
-    report.bytes_read = report.sharded_bytes_read + report.unsharded_bytes_read
-    report.seconds = time.perf_counter() - began
-    return report
+            report.count(_fill(_local(t), info, rows, f, path), info.nbytes, sharded=rows is not None)
+    return report.finish(began)
