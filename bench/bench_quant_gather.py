@@ -100,6 +100,7 @@ def rank_main(rank: int, world: int, workdir: str, dim: int, layers: int, steps:
         if rank == 0:
             with open(f"{workdir}/report.json", "w") as f:
                 json.dump(report, f)
+        dist.barrier()   # no rank tears gloo down while another still talks to it (SIGABRT in gloo's threads)
     finally:
         dist.destroy_process_group()
 
