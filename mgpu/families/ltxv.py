@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
-from mgpu.families.sequence import exchanged_attention, gather_tokens, token_range, token_sizes
+from mgpu.families.sequence import SequenceGroups, exchanged_attention, gather_tokens, token_range, token_sizes
 
 _OFF = "run this model with sequence_parallel off (MGPU Load Diffusion Model) or sp_degree 1"
 # ComfyUI 0.33's attention for guide masks (comfy/ldm/lightricks/model.py), looked up in the network's own module
@@ -44,23 +44,17 @@ def heads_of(model: nn.Module) -> int:
     return model.transformer_blocks[0].attn1.heads
 
 
-class _SpForward:
+class _SpForward(SequenceGroups):
     """One model's sequence split; ``select`` picks the degree for the next forwards (1: every hook passes through).
     ``sizes`` is set by a per-token timestep embedding or the first block, ``local`` once the hidden states are cut;
     both are cleared when a forward starts."""
 
-    def __init__(self, meshes: dict[int, DeviceMesh], guide_attention: Callable | None):
-        self.groups = {d: (m.get_group(), m.get_local_rank()) for d, m in meshes.items()}
-        self.guide_attention = guide_attention
-        self.parts, self.group, self.index = 1, None, 0
-        self.begin(None, ())
+    model = "LTXVModel"
 
-    def select(self, degree: int) -> None:
-        if degree != 1 and degree not in self.groups:
-            raise ShardingError(f"LTXVModel sequence parallelism was set up for degrees {sorted(self.groups)}, "
-                                f"not {degree}")
-        self.parts = degree
-        self.group, self.index = self.groups.get(degree, (None, 0))
+    def __init__(self, meshes: dict[int, DeviceMesh], guide_attention: Callable | None):
+        super().__init__(meshes)
+        self.guide_attention = guide_attention
+        self.begin(None, ())
 
     def begin(self, module: nn.Module | None, args: tuple) -> None:
         self.sizes: list[int] | None = None

@@ -14,6 +14,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mgpu.errors import ShardingError
+
+
+class SequenceGroups:
+    """What an adapter's hooks share across forwards: the sequence-parallel group of each degree set up at load, and
+    the one ``select`` picked for the next forwards (degree 1: no group, every hook passes through)."""
+
+    model = "the model"   # the network's class name, for messages
+
+    def __init__(self, meshes: dict[int, DeviceMesh]):
+        self.groups = {d: (m.get_group(), m.get_local_rank()) for d, m in meshes.items()}
+        self.parts, self.group, self.index = 1, None, 0
+
+    def select(self, degree: int) -> None:
+        if degree != 1 and degree not in self.groups:
+            raise ShardingError(f"{self.model} sequence parallelism was set up for degrees {sorted(self.groups)}, "
+                                f"not {degree}")
+        self.parts = degree
+        self.group, self.index = self.groups.get(degree, (None, 0))
 
 
 def token_sizes(tokens: int, parts: int) -> list[int]:

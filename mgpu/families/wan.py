@@ -24,24 +24,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
-from mgpu.families.sequence import exchanged_attention, gather_tokens, token_range, token_sizes
+from mgpu.families.sequence import SequenceGroups, exchanged_attention, gather_tokens, token_range, token_sizes
 
 
-class _SpForward:
+class _SpForward(SequenceGroups):
     """One model's sequence split; ``select`` picks the degree for the next forwards (1: every hook passes through),
     ``sizes`` is set by the first block of each forward, cleared when one starts."""
 
-    def __init__(self, meshes: dict[int, DeviceMesh]):
-        self.groups = {d: (m.get_group(), m.get_local_rank()) for d, m in meshes.items()}
-        self.parts, self.group, self.index = 1, None, 0
-        self.sizes: list[int] | None = None
+    model = "WanModel"
 
-    def select(self, degree: int) -> None:
-        if degree != 1 and degree not in self.groups:
-            raise ShardingError(f"WanModel sequence parallelism was set up for degrees {sorted(self.groups)}, "
-                                f"not {degree}")
-        self.parts = degree
-        self.group, self.index = self.groups.get(degree, (None, 0))
+    def __init__(self, meshes: dict[int, DeviceMesh]):
+        super().__init__(meshes)
+        self.sizes: list[int] | None = None
 
     def begin(self, module: nn.Module, args: tuple) -> None:
         self.sizes = None

@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
-from mgpu.families.sequence import gather_tokens, heads_to_seq, seq_to_heads, token_range, token_sizes
+from mgpu.families.sequence import (SequenceGroups, gather_tokens, heads_to_seq, seq_to_heads, token_range,
+                                    token_sizes)
 
 NAME = "WanTransformer3DModel"
 # diffusers' Wan self-attention processors whose steps the hooks follow: projections, norms across heads,
@@ -43,22 +44,16 @@ def heads_of(model: nn.Module) -> int:
     return model.config.num_attention_heads
 
 
-class _SpForward:
+class _SpForward(SequenceGroups):
     """One model's sequence split; ``select`` picks the degree for the next forwards (1: every hook passes through),
     ``sizes`` is set by the model's pre-hook of each forward (None at degree 1)."""
 
-    def __init__(self, meshes: dict[int, DeviceMesh], heads: int, patch: tuple[int, ...]):
-        self.groups = {d: (m.get_group(), m.get_local_rank()) for d, m in meshes.items()}
-        self.heads, self.patch = heads, tuple(patch)
-        self.parts, self.group, self.index = 1, None, 0
-        self.sizes: list[int] | None = None
+    model = NAME
 
-    def select(self, degree: int) -> None:
-        if degree != 1 and degree not in self.groups:
-            raise ShardingError(f"{NAME} sequence parallelism was set up for degrees {sorted(self.groups)}, "
-                                f"not {degree}")
-        self.parts = degree
-        self.group, self.index = self.groups.get(degree, (None, 0))
+    def __init__(self, meshes: dict[int, DeviceMesh], heads: int, patch: tuple[int, ...]):
+        super().__init__(meshes)
+        self.heads, self.patch = heads, tuple(patch)
+        self.sizes: list[int] | None = None
 
     def cut(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """This rank's rows of dim 1 of a per-token tensor."""
