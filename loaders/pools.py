@@ -199,13 +199,19 @@ def release_garbage() -> None:
 
 
 def explain(exc: RankFailure, what: str) -> RankFailure:
-    """A node error for a rank failure: what failed, the pool's diagnosis (rank, device, log tail) and what to do."""
-    advice = ("Queue the prompt again: a pool that was shut down restarts and reloads the model. If a rank raised an "
-              "error instead, its traceback below says why.")
-    if exc.signal == "SIGKILL":
-        advice += (" A rank killed by SIGKILL is most often out of memory (host RAM or GPU): use more ranks, fp8 "
-                   "weights or a smaller video.")
-    head, _, tail = str(exc).partition("\n")
-    text = f"{what} failed: {head}\n{advice}" + (f"\n{tail}" if tail else "")
+    """A node error for a rank failure: what failed, the pool's diagnosis (rank, device, log tail) and what to do.
+    A refusal (the ranks raised one of our own errors) leads with its message, which says what to change: queuing
+    the same prompt again would fail the same way."""
+    if exc.refusal is not None:
+        diagnosis = str(exc).removeprefix(exc.refusal).lstrip("\n")
+        text = f"{exc.refusal}\n{what} was refused on the ranks: {diagnosis}"
+    else:
+        advice = ("Queue the prompt again: a pool that was shut down restarts and reloads the model. If a rank raised "
+                  "an error instead, its traceback below says why.")
+        if exc.signal == "SIGKILL":
+            advice += (" A rank killed by SIGKILL is most often out of memory (host RAM or GPU): use more ranks, fp8 "
+                       "weights or a smaller video.")
+        head, _, tail = str(exc).partition("\n")
+        text = f"{what} failed: {head}\n{advice}" + (f"\n{tail}" if tail else "")
     return RankFailure(text, rank=exc.rank, device=exc.device, exitcode=exc.exitcode, signal=exc.signal,
-                       traceback=exc.traceback)
+                       traceback=exc.traceback, refusal=exc.refusal, pool_kept=exc.pool_kept)

@@ -22,16 +22,21 @@ class PlanError(MgpuError):
 
 
 class RankFailure(MgpuError, RuntimeError):
-    """A rank process raised, died or timed out. The pool is torn down and rebuilt on next use."""
+    """A rank process raised, died or timed out. ``pool_kept``: every rank raised, so none is stuck and the pool
+    stays up with its models; otherwise it was torn down and is rebuilt on next use. ``refusal``: the ranks raised
+    one of our own errors (bad input, not a crash), with this message; running the same again fails the same way."""
 
     def __init__(self, message: str, rank: int | None = None, device: str | None = None,
-                 exitcode: int | None = None, signal: str | None = None, traceback: str | None = None):
+                 exitcode: int | None = None, signal: str | None = None, traceback: str | None = None,
+                 refusal: str | None = None, pool_kept: bool = False):
         super().__init__(message)
         self.rank = rank
         self.device = device
         self.exitcode = exitcode
         self.signal = signal
         self.traceback = traceback
+        self.refusal = refusal
+        self.pool_kept = pool_kept
 
 
 class CallCancelled(MgpuError):

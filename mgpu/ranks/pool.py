@@ -22,7 +22,8 @@ callers know to reload their models. When every rank raised, nothing is stuck an
 Protocol (pickled dicts, ``mgpu.ranks.rank.dumps``): rank -> host ``hello {rank, pid}`` on connecting, then ``ready`` or
 ``error`` once the process group is up; host -> rank ``call {op, payload, inputs: Packet | None, released: {rank:
 [segment]}, dropped: [segment]}`` answered by ``ok {payload, outputs: Packet | None, dropped}`` or ``error {error,
-traceback, dropped}``; ``shutdown`` ends a rank. One call is in flight at a time.
+traceback, dropped, cancelled, refusal}`` (``refusal``: the message of one of our own errors, else None); ``shutdown``
+ends a rank. One call is in flight at a time.
 """
 
 from __future__ import annotations
@@ -481,13 +482,15 @@ class RankPool:
             return replies
         if cancel_sent:
             raise self._cancel_failure(op, errors, replies, missing + dead)
+        # Every rank raised: none is stuck in a collective, so the pool stays (a failed start-up is torn down by start)
+        kept = not (dead or missing or len(errors) < self.world_size) and op != "start-up"
         if dead:
             failure = self._death_failure(op, dead[0])
         elif errors:
-            failure = self._error_failure(op, errors, replies, missing)
+            failure = self._error_failure(op, errors, replies, missing, kept)
         else:
             failure = self._timeout_failure(op, missing, timeout_s)
-        if dead or missing or len(errors) < self.world_size:
+        if not kept:
             self._teardown(graceful=False)
         raise failure
 
@@ -513,20 +516,39 @@ class RankPool:
                            f"restarts on next use (reload what it held).\n--- end of rank {rank} log ---\n{tail}",
                            rank=rank, device=r.device, exitcode=returncode, signal=sig, traceback=tail)
 
-    def _error_failure(self, op: str, errors: list[int], replies: dict[int, dict], missing: list[int]) -> RankFailure:
+    def _error_failure(self, op: str, errors: list[int], replies: dict[int, dict], missing: list[int],
+                       kept: bool) -> RankFailure:
+        """The first rank's error, the others', and the pool's fate. When every rank that raised refused its input
+        (one of our own errors), the message leads with the first refusal, which says what to do."""
         first = self._ranks[errors[0]]
         reply = replies[first.rank]
-        others = [f"rank {rank} ({self._ranks[rank].device}): {replies[rank]['error']}" for rank in errors[1:]]
-        text = f"rank {first.rank} ({first.device}) raised {reply['error']} in {op!r}"
-        if others:
-            text += "; also " + "; ".join(others)
+        refusals = [replies[rank].get("refusal") for rank in errors]
+        refusal = refusals[0] if None not in refusals else None
+        how = "refused" if refusal is not None else f"raised {reply['error']} in"
+        text = f"rank {first.rank} ({first.device}) {how} {op!r}" + self._other_errors(errors, replies)
         if missing:
             text += (f". Ranks {missing} were still busy {self.config.error_grace_s:g}s later (likely stuck in a "
                      "collective): the pool was shut down and restarts on next use")
         elif len(errors) < self.world_size:
             text += ". Other ranks succeeded, so the ranks may disagree: the pool was shut down and restarts on next use"
+        elif kept:
+            text += ". Every rank raised, so none is stuck: the pool stays up with the models it holds"
+        else:
+            text += ". The pool was shut down and restarts on next use"
+        if refusal is not None:
+            text = f"{refusal}\n{text}"
         return RankFailure(f"{text}\n--- rank {first.rank} traceback ---\n{reply['traceback']}",
-                           rank=first.rank, device=first.device, traceback=reply["traceback"])
+                           rank=first.rank, device=first.device, traceback=reply["traceback"], refusal=refusal,
+                           pool_kept=kept)
+
+    def _other_errors(self, errors: list[int], replies: dict[int, dict]) -> str:
+        """The errors of the ranks after the first: those that raised the first's error by rank only."""
+        first = replies[errors[0]]["error"]
+        same = [str(rank) for rank in errors[1:] if replies[rank]["error"] == first]
+        other = [f"rank {rank} ({self._ranks[rank].device}): {replies[rank]['error']}" for rank in errors[1:]
+                 if replies[rank]["error"] != first]
+        return ((f"; rank{'s' if len(same) > 1 else ''} {', '.join(same)} the same" if same else "")
+                + ("; also " + "; ".join(other) if other else ""))
 
     def _cancel_failure(self, op: str, errors: list[int], replies: dict[int, dict], unanswered: list[int]) -> MgpuError:
         """A cancelled call: every rank stopped together (the pool stays), or some did not and the pool goes. An
@@ -534,7 +556,7 @@ class RankPool:
         real = [rank for rank in errors if not replies[rank].get("cancelled")]
         if real:
             self._teardown(graceful=False)
-            return self._error_failure(op, real, replies, unanswered)
+            return self._error_failure(op, real, replies, unanswered, kept=False)
         if not unanswered:
             return CallCancelled(f"{op!r} cancelled: every rank stopped at its next check; the models stay loaded",
                                  pool_kept=True)

@@ -4,7 +4,8 @@ It joins the process group, then serves calls from the host over an authenticate
 host goes away. Ops are plain functions ``fn(ctx, payload, tensors) -> (payload, tensors)``, either registered here
 with ``@register_op(name)`` (the defining module must be imported on the rank: list it in ``PoolConfig.imports``) or
 named as ``"package.module:function"`` and imported on first use. An op that raises is reported with its traceback
-and the rank keeps serving; whether the pool survives is the host's decision.
+(and, for one of our own ``MgpuError``s, as a refusal of its input with the error's message) and the rank keeps
+serving; whether the pool survives is the host's decision.
 
 The wire format (``dumps``/``recv``) lives here because both sides speak it: pickled plain-data messages, which is
 safe only because the channel is authenticated with a per-pool random key; tensors are refused in messages and go
@@ -42,6 +43,7 @@ from typing import Any
 import psutil
 import torch
 
+from ..errors import MgpuError
 from .shm import Mapper, SegmentPool
 
 Tensors = dict[str, torch.Tensor]
@@ -243,7 +245,8 @@ def _serve_call(ctx: RankContext, msg: dict, inputs: Mapper, outputs: SegmentPoo
         if packet is not None:           # packed, then the payload would not pickle: nobody will lease it
             dropped += outputs.release([packet.path])
         return dumps({"kind": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                      "dropped": dropped, "cancelled": isinstance(exc, Cancelled)})
+                      "dropped": dropped, "cancelled": isinstance(exc, Cancelled),
+                      "refusal": str(exc) if isinstance(exc, MgpuError) else None})
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
