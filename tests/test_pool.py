@@ -29,7 +29,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
 from mgpu.ranks import shm
-from mgpu.errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
+from loaders import pools
+from mgpu.errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure, ShardingError
 from mgpu.ranks.pool import CANCEL_GRACE_S, HANDSHAKE_TIMEOUT_S, PoolConfig, RankPool
 from mgpu.ranks.rank import register_op
 
@@ -56,6 +57,16 @@ def op_raise(ctx, payload, tensors):
     """Raise on payload["ranks"]; the others wait in a barrier the failing ranks never join."""
     if ctx.rank in payload["ranks"]:
         raise ValueError(f"boom on rank {ctx.rank}")
+    dist.barrier(group=ctx.group)
+
+
+REFUSAL = "blocks.0.weight: the checkpoint was made for another model; load it with the loader it was made for"
+
+
+def op_refuse(ctx, payload, tensors):
+    """Refuse (one of our own errors) on payload["ranks"]; the others wait in a barrier the refusing ranks skip."""
+    if ctx.rank in payload["ranks"]:
+        raise ShardingError(REFUSAL)
     dist.barrier(group=ctx.group)
 
 
@@ -229,6 +240,34 @@ def test_every_rank_raising_reports_traceback_and_keeps_the_pool(pool):
         pool.call("no_such_op")
 
 
+def test_a_refusal_on_every_rank_leads_the_node_error_without_queue_again_and_keeps_the_pool(pool):
+    generation, before = pool.generation, pids(pool)
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_refuse", {"ranks": [0, 1]})
+    err = info.value
+    assert err.refusal == REFUSAL and err.pool_kept
+    assert pool.alive and pool.generation == generation and pids(pool) == before
+    text = str(pools.explain(err, "wan.safetensors sharded over 2 ranks: a denoising step"))
+    assert text.startswith(f"{REFUSAL}\nwan.safetensors sharded over 2 ranks: a denoising step was refused on the "
+                           f"ranks: rank {err.rank} (cpu) refused 'test_pool:op_refuse'; rank {1 - err.rank} the same. "
+                           "Every rank raised, so none is stuck: the pool stays up"), text
+    diagnosis, _, traceback = text.partition(f"--- rank {err.rank} traceback ---")
+    assert "Queue the prompt again" not in text and diagnosis.count(REFUSAL) == 1
+    assert "raise ShardingError(REFUSAL)" in traceback
+
+
+def test_a_refusal_on_one_rank_says_the_pool_was_shut_down_without_queue_again(pool):
+    before = pids(pool)
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_refuse", {"ranks": [1]})
+    err = info.value
+    assert err.refusal == REFUSAL and not err.pool_kept and wait_gone(before, 5)
+    text = str(pools.explain(err, "load"))
+    assert text.startswith(f"{REFUSAL}\nload was refused on the ranks: rank 1 (cpu) refused 'test_pool:op_refuse'. "
+                           "Ranks [0] were still busy"), text
+    assert "shut down and restarts on next use" in text and "Queue the prompt again" not in text
+
+
 def test_every_socket_the_ranks_own_stays_on_loopback(pool):
     listening = []
     for pid in pids(pool):
@@ -312,6 +351,8 @@ def test_rank_sigkilled_in_a_collective_is_named_fast_and_the_pool_rebuilds(pool
     assert err.rank == 1 and err.signal == "SIGKILL" and err.device == "cpu"
     assert "rank 1 (cpu" in str(err) and "SIGKILL" in str(err)
     assert "rank 1 going to sleep" in str(err)             # the tail of its stderr log
+    assert err.refusal is None and not err.pool_kept
+    assert "Queue the prompt again" in str(pools.explain(err, "a denoising step"))
     assert wait_gone(before, 5)
     assert pids(pool) != before and pool.generation == generation + 1
 
@@ -474,6 +515,7 @@ def test_more_ranks_than_gpus_fails_before_starting():
 HOST_SCRIPT = """
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
+{setup}
 from mgpu.ranks.pool import PoolConfig, RankPool
 pool = RankPool(PoolConfig(["cpu"]))
 print(json.dumps([r.payload["pid"] for r in pool.call("ping")]), flush=True)
@@ -481,8 +523,28 @@ time.sleep(120)
 """
 
 
-def test_ranks_exit_when_their_host_is_sigkilled():
-    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO)], stdout=subprocess.PIPE, text=True)
+def isolated_parents(tmp_path: Path) -> tuple[list[str], str]:
+    """Parents for a host's private directories that only this test sees, and the host code that puts them there.
+
+    A SIGKILLed host's directories are stale at once, and any pool starting on this machine (another test run of
+    the same user, a ComfyUI loading the pack) sweeps /dev/shm and the temp dir: in the shared parents they could
+    vanish before the test looks at them or sweeps them itself."""
+    parents = [str(tmp_path / "shm"), str(tmp_path / "tmp")]
+    for parent in parents:
+        os.mkdir(parent)
+    setup = (f"import tempfile\nfrom mgpu.ranks import shm\n"
+             f"shm.shm_parent = lambda: {parents[0]!r}\ntempfile.tempdir = {parents[1]!r}")
+    return parents, setup
+
+
+def dirs_in(parents: list[str]) -> list[str]:
+    return sorted(os.path.join(parent, name) for parent in parents for name in os.listdir(parent))
+
+
+def test_ranks_exit_when_their_host_is_sigkilled(tmp_path):
+    parents, setup = isolated_parents(tmp_path)
+    host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(repo=REPO, setup=setup)],
+                            stdout=subprocess.PIPE, text=True)
     try:
         rank_pids = json.loads(host.stdout.readline())
         assert all(not gone(p) for p in rank_pids)
@@ -492,11 +554,11 @@ def test_ranks_exit_when_their_host_is_sigkilled():
     finally:
         host.kill()
         host.wait()
-    leftovers = pool_dirs(host.pid)
-    assert leftovers, "a SIGKILLed host cannot clean up; the next pool's sweep must"
-    for parent in {os.path.dirname(d) for d in leftovers}:
+    leftovers = dirs_in(parents)
+    assert len(leftovers) == 2, "a SIGKILLed host cannot clean up; the next pool's sweep must"
+    for parent in parents:
         shm.sweep_stale(parent)
-    assert pool_dirs(host.pid) == []
+    assert dirs_in(parents) == []
 
 
 def test_segments_are_lent_until_every_tensor_is_gone_then_reused_or_dropped(tmp_path, monkeypatch):
@@ -608,6 +670,7 @@ def test_a_stopped_rank_is_named_as_stopped(pool):
 SIGTERM_HOST_SCRIPT = """
 import os, sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
+{setup}
 from mgpu.ranks.pool import PoolConfig, RankPool, clean_up_on_sigterm
 pool = RankPool(PoolConfig(["cpu", "cpu"], extra_sys_path=[{tests!r}]))
 pids = [r.payload["pid"] for r in pool.call("ping")]
@@ -618,7 +681,7 @@ time.sleep(120)
 
 
 def test_a_host_stopped_with_sigterm_leaves_no_rank_and_no_shared_memory():
-    host = subprocess.Popen([sys.executable, "-c", SIGTERM_HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
+    host = subprocess.Popen([sys.executable, "-c", SIGTERM_HOST_SCRIPT.format(repo=REPO, tests=TESTS, setup="")],
                             stdout=subprocess.PIPE, text=True)
     try:
         rank_pids = [int(p) for p in host.stdout.readline().split()]
@@ -631,17 +694,20 @@ def test_a_host_stopped_with_sigterm_leaves_no_rank_and_no_shared_memory():
     assert pool_dirs(host.pid) == []
 
 
-def test_stale_directories_of_a_killed_host_are_swept():
-    host = subprocess.Popen([sys.executable, "-c", SIGTERM_HOST_SCRIPT.format(repo=REPO, tests=TESTS)],
+def test_stale_directories_of_a_killed_host_are_swept(tmp_path, monkeypatch):
+    parents, setup = isolated_parents(tmp_path)
+    host = subprocess.Popen([sys.executable, "-c", SIGTERM_HOST_SCRIPT.format(repo=REPO, tests=TESTS, setup=setup)],
                             stdout=subprocess.PIPE, text=True)
     try:
         rank_pids = [int(p) for p in host.stdout.readline().split()]
-        left = pool_dirs(host.pid)
+        left = dirs_in(parents)
         host.kill()
         host.wait(timeout=20)
-        assert wait_gone(rank_pids, 10) and left and pool_dirs(host.pid) == left   # SIGKILL: nothing ran
+        assert wait_gone(rank_pids, 10) and len(left) == 2 and dirs_in(parents) == left   # SIGKILL: nothing ran
     finally:
         host.kill()
     from mgpu.ranks.pool import sweep_stale_dirs
 
-    assert set(left) <= set(sweep_stale_dirs()) and pool_dirs(host.pid) == []
+    monkeypatch.setattr(shm, "shm_parent", lambda: parents[0])
+    monkeypatch.setattr(tempfile, "tempdir", parents[1])
+    assert set(left) <= set(sweep_stale_dirs()) and dirs_in(parents) == []
