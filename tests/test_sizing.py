@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,7 +14,14 @@ import pytest
 
 import ckpt_layouts as L
 from mgpu.errors import MgpuError, SizingError
-from mgpu.planning.sizing import ComponentSize, read_header, read_headers, size_component
+from mgpu.planning.sizing import (
+    LTX2_TEXT_PROJECTION,
+    ComponentSize,
+    read_header,
+    read_headers,
+    size_component,
+    text_encoder_for,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -226,6 +234,65 @@ def test_component_size_round_trips_through_json(tmp_path):
     assert back == size and back.blocks[0].bytes_per_block == size.blocks[0].bytes_per_block
 
 
+# --------------------------------------------------------------- LTX-2's text encoder: Gemma + its checkpoint's parts
+
+def ltx2_checkpoint(dit: L.Layout, gemma_hidden: int, gemma_layers: int, caption: int) -> L.Layout:
+    """An LTX-2 checkpoint as Lightricks ship it: the DiT under model.diffusion_model. (``dit``) and the text projection
+    ComfyUI's LTX-2 text encoder loads from it (``aggregate_embed``: every Gemma layer's output and the embeddings,
+    hidden x (layers + 1), to the caption width, without bias). The real file also holds VAEs, under vae. etc."""
+    width = gemma_hidden * (gemma_layers + 1)
+    return {**dit, LTX2_TEXT_PROJECTION + "aggregate_embed.weight": ((caption, width), "BF16")}
+
+
+def test_an_ltx2_text_encoder_is_planned_with_the_projection_its_checkpoint_holds(tmp_path):
+    """The tiny LTX-2 (connectors 48 wide: no compatibility mode): the plan's text encoder bytes are Gemma's plus the
+    projection's, read from the checkpoint's header; the projection follows the last block."""
+    from mgpu.planning.devices import parse_spec
+    from mgpu.planning.estimates import Workload
+    from mgpu.planning.partition import Component, make_plan
+
+    ckpt = L.write_safetensors(tmp_path / "ltx-2.safetensors", ltx2_checkpoint(L.ltx2_tiny(), 64, 3, 48), sparse=True)
+    gemma = size_component(L.write_safetensors(tmp_path / "gemma.safetensors", L.gemma3_tiny("comfy"), sparse=True))
+    dit = size_component(ckpt)
+    projection = 48 * 64 * 4 * 2
+    assert (dit.family, dit.text_encoder_parts.total_bytes) == ("ltx2-av", projection)
+    te = text_encoder_for(gemma, dit)
+    assert (te.total_bytes, te.params) == (gemma.total_bytes + projection, gemma.params + projection // 2)
+    assert te.bytes_after_blocks == projection and te.bytes_outside_blocks == gemma.bytes_outside_blocks + projection
+    assert te.blocks == gemma.blocks and te.matrix_bytes == gemma.matrix_bytes + projection
+    plan = make_plan([Component("dit", dit), Component("text_encoder", gemma)], parse_spec("cpu=64GiB"),
+                     Workload(64, 64, 9, 1, cfg=True))
+    assert plan.placement("text_encoder").weight_bytes == gemma.total_bytes + projection
+    other = size_component(L.write_safetensors(tmp_path / "ltxv.safetensors", L.ltxv_tiny(), sparse=True))
+    assert text_encoder_for(gemma, other) is gemma and text_encoder_for(gemma, gemma) is gemma
+    bare = size_component(L.write_safetensors(tmp_path / "dit.safetensors", L.ltx2_tiny(), sparse=True))
+    assert bare.text_encoder_parts is None and text_encoder_for(gemma, bare) is gemma   # no projection: no parts
+    back = ComponentSize.from_dict(json.loads(json.dumps(dit.to_dict())))
+    assert back == dit and isinstance(back.text_encoder_parts, ComponentSize)
+
+
+def test_a_gemma_file_holding_the_projection_puts_it_after_its_blocks_and_is_not_counted_twice(tmp_path):
+    layout = {**L.gemma3_tiny("comfy"), LTX2_TEXT_PROJECTION + "weight": ((48, 256), "BF16")}
+    te = size_component(L.write_safetensors(tmp_path / "gemma+projection.safetensors", layout, sparse=True))
+    dit = size_component(L.write_safetensors(tmp_path / "ltx-2.safetensors", ltx2_checkpoint(L.ltx2_tiny(), 64, 3, 48),
+                                             sparse=True))
+    assert te.family == "gemma3" and te.bytes_after_blocks == 48 * 256 * 2 and te.total_bytes == L.layout_bytes(layout)
+    assert text_encoder_for(te, dit) is te
+
+
+def test_ltx2_19b_in_comfyuis_compatibility_mode_also_brings_both_text_connectors(sparse_dir):
+    """LTX-2 19B's connectors are 3840 wide with two blocks: ComfyUI 0.33 loads a second copy of both into the text
+    encoder (LTXAVTEModel.enable_compat_mode), beside the 1.4 GB projection."""
+    layout = {**ltx2_checkpoint(L.ltx2_19b(), 3840, 48, 3840), **L.ltxv_vae(prefix="vae.")}
+    dit = size_component(L.write_safetensors(sparse_dir / "ltx-2-19b-dev.safetensors", layout, sparse=True))
+    projection = _bytes_under(layout, LTX2_TEXT_PROJECTION)
+    connectors = sum(_bytes_under(layout, f"model.diffusion_model.{stream}_embeddings_connector.")
+                     for stream in ("video", "audio"))
+    assert projection / 1e9 == pytest.approx(1.445, rel=0.01) and connectors / 1e9 == pytest.approx(1.42, rel=0.01)
+    assert dit.text_encoder_parts.total_bytes == projection + connectors
+    assert dit.total_bytes == _bytes_under(layout, "model.diffusion_model.")   # the DiT keeps its own connectors
+
+
 # ------------------------------------------------------------------------------------------- sharded
 
 def test_sharded_folder_and_index_agree_with_single_file(sparse_dir):
@@ -435,3 +502,46 @@ def test_ltx2_layouts_match_comfyuis_ltxav_where_it_has_one():
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     for name, layout in {"19b": L.ltx2_19b(prefix=""), "tiny": L.ltx2_tiny(prefix="")}.items():
         assert {k: list(s) for k, (s, _) in layout.items()} == theirs[name], name
+
+
+@pytest.mark.comfyui
+def test_ltx2_text_encoder_parts_are_what_comfyuis_encoder_holds_and_come_after_gemmas_layers(sparse_dir):
+    """ComfyUI 0.33's LTX-2 text encoder (LTXAVTEModel, in its compatibility mode for LTX-2 19B) holds exactly the
+    projection and connectors the checkpoint's header gives, under ComfyUI's names for them, registered after
+    Gemma's layers (where a layer split puts them). ComfyUI 0.3.64 has no LTX-2 text encoder."""
+    comfy = _comfyui_path()
+    if comfy is None:
+        pytest.skip("no ComfyUI checkout (set COMFYUI_PATH)")
+    if "class LTXAVTEModel" not in (comfy / "comfy" / "text_encoders" / "lt.py").read_text():
+        return
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path[:0] = [{str(comfy)!r}, {str(REPO)!r}]
+        import torch
+        import comfy.options
+        comfy.options.enable_args_parsing()
+        sys.argv = ["x", "--cpu"]
+        import comfy.sd
+        import comfy.text_encoders.llama
+        import comfy.text_encoders.lt as lt
+        from mgpu.sharding.layer_split import units_of
+        model = lt.ltxav_te()(device="meta", dtype=torch.bfloat16)
+        model.enable_compat_mode()
+        ours = ("text_embedding_projection.", "video_embeddings_connector.", "audio_embeddings_connector.")
+        parts = {{k: [list(v.shape), v.element_size()] for k, v in model.state_dict().items() if k.startswith(ours)}}
+        print(json.dumps({{"parts": parts, "units": [n for n, _, _ in units_of(model)]}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    layout = ltx2_checkpoint(L.ltx2_19b(), 3840, 48, 3840)
+    dit = size_component(L.write_safetensors(sparse_dir / "ltx-2-19b.safetensors", layout, sparse=True))
+    renamed = {k.replace("aggregate_embed.", "").removeprefix("model.diffusion_model."): list(shape)
+               for k, (shape, _) in layout.items()
+               if k.startswith(LTX2_TEXT_PROJECTION) or "_embeddings_connector." in k}
+    assert {k: shape for k, (shape, _) in theirs["parts"].items()} == renamed
+    assert dit.text_encoder_parts.total_bytes == sum(math.prod(s) * n for s, n in theirs["parts"].values())
+    units = theirs["units"]
+    last_layer = units.index("gemma3_12b.transformer.model.layers.47")
+    assert all(units.index(n) > last_layer for n in units if n.startswith(("text_embedding_projection",
+                                                                          "video_embeddings", "audio_embeddings")))

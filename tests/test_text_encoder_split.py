@@ -26,7 +26,8 @@ from loaders.components import split_devices
 from loaders.conditioning_cache import HostCache, Uncacheable, clip_key, digest
 from mgpu.errors import MgpuError, ShardingError
 from mgpu.planning.devices import parse_spec
-from mgpu.planning.partition import split_in_order
+from mgpu.planning.partition import Component, make_plan, split_in_order
+from mgpu.planning.sizing import size_component
 from mgpu.sharding.layer_split import LayerSplit, units_of
 
 
@@ -157,6 +158,73 @@ def test_an_encoder_too_big_names_the_devices_and_their_room():
     msg = str(info.value)
     assert msg.startswith("MGPU Load Text Encoder (") and "does not fit on cuda:0, cuda:1" in msg
     assert "room for cuda:0 1000 B, cuda:1 2 KiB" in msg
+
+
+# --- LTX-2's text encoder: Gemma, then the text projection it loads from the LTX-2 checkpoint ----------------------
+
+class Gemma(torch.nn.Module):
+    """Registered as ComfyUI's Gemma (comfy.text_encoders.llama.Llama2_): the embedding, then the layers."""
+
+    def __init__(self, dim: int = 16, layers: int = 4):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(50, dim)
+        self.layers = Stack(dim, layers)
+
+    def forward(self, ids, mask):
+        return self.layers(self.embed_tokens(ids), mask)
+
+
+class Ltxav(torch.nn.Module):
+    """Shaped like ComfyUI 0.33's LTXAVTEModel: Gemma, then the text projection (registered after it) over every
+    layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gemma3_12b = Gemma()
+        self.text_embedding_projection = torch.nn.Linear(16 * 4, 16, bias=False)
+
+    def forward(self, ids, mask):
+        _, every = self.gemma3_12b(ids, mask)
+        return self.text_embedding_projection(every.movedim(1, -1).flatten(2))
+
+
+def test_the_loader_puts_the_text_projection_with_the_last_layers_and_computes_as_one_device():
+    whole = Ltxav()
+    split = copy.deepcopy(whole)
+    layers = LayerSplit.plan(split, ["cpu", "meta"], [10**6, 10**6], "test encoder")
+    device = {u.name: u.device for u in layers.units}
+    assert device["gemma3_12b.embed_tokens"] == 0
+    assert device["text_embedding_projection"] == device["gemma3_12b.layers.block.3"] == 1
+    two_cpus = LayerSplit.plan(split, ["cpu", "cpu"], [10**6, 10**6], "test encoder")
+    two_cpus.place(split)
+    ids, mask = torch.randint(0, 50, (2, 7)), torch.ones(2, 7)
+    with torch.no_grad():
+        assert torch.equal(split(ids, mask), whole(ids, mask))
+
+
+def test_the_plan_puts_ltx2s_text_projection_after_gemmas_last_block(tmp_path):
+    """LTX-2 19B (fp8, its projection in the checkpoint) + Gemma 3 12B on 2 x 24 GiB: the encoder is split, and the
+    projection's bytes count on the GPU of the last blocks, where the loader puts it, not with the embeddings."""
+    from ckpt_layouts import gemma3_12b, layout_bytes, ltx2_19b, recast, write_safetensors
+    from mgpu.planning.estimates import Workload
+
+    projection = {"text_embedding_projection.aggregate_embed.weight": ((3840, 3840 * 49), "BF16")}
+    dit = size_component(write_safetensors(tmp_path / "ltx-2-19b-dev-fp8.safetensors",
+                                           {**recast(ltx2_19b(), "F8_E4M3"), **projection}, sparse=True))
+    gemma = size_component(write_safetensors(tmp_path / "gemma_3_12B_it.safetensors", gemma3_12b("comfy"),
+                                             sparse=True))
+    plan = make_plan([Component("dit", dit), Component("text_encoder", gemma)], parse_spec("2x24GiB,cpu=64GiB"),
+                     Workload(1280, 720, 121, 1, cfg=True))
+    te = plan.placement("text_encoder")
+    parts = dit.text_encoder_parts.total_bytes
+    assert parts >= layout_bytes(projection) and te.weight_bytes == gemma.total_bytes + parts
+    assert (te.strategy, te.devices) == ("split", ["cuda:0", "cuda:1"])
+    blocks = gemma.blocks[0].bytes_per_block
+    (a0, b0), (a1, b1) = te.layers_by_device["cuda:0"], te.layers_by_device["cuda:1"]
+    assert (a0, b1, a1) == (0, 47, b0 + 1)
+    assert te.resident_bytes["cuda:0"] == gemma.bytes_outside_blocks + sum(blocks[a0:b0 + 1])
+    assert te.resident_bytes["cuda:1"] == sum(blocks[a1:b1 + 1]) + parts
 
 
 # --- the split_devices input -----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from mgpu.planning.devices import Device, format_bytes
 from mgpu.errors import PlanError
@@ -39,7 +39,7 @@ from mgpu.planning.estimates import (
     weight_itemsize,
 )
 from mgpu.planning import parallel
-from mgpu.planning.sizing import ComponentSize
+from mgpu.planning.sizing import ComponentSize, text_encoder_for
 
 ROLES = ("text_encoder", "dit", "dit_low_noise", "vae")
 PHASES = ("encode", "sample", "decode")
@@ -608,7 +608,8 @@ def _split_text_encoder(comp: Component, by_room: list[Device], wl: Workload, po
     blocks = [int(b * scale) for b in size.blocks[0].bytes_per_block] if size.blocks else []
     if len(blocks) < 2 or len(by_room) < 2:
         return None
-    units = [wbytes - sum(blocks), *blocks]   # embeddings, norms, projections: with the first block
+    after = int(size.bytes_after_blocks * scale)   # LTX-2's text projection: after the last block, as loaded
+    units = [wbytes - sum(blocks) - after, *blocks, *([after] if after else [])]   # embeddings, norms: with the first
     working = text_encoder_working_bytes(size, tokens=policy.text_encoder_tokens, batch=2 if wl.cfg else 1)
     for k in range(2, len(by_room) + 1):
         group = sorted(by_room[:k], key=lambda d: d.index)
@@ -621,7 +622,7 @@ def _split_text_encoder(comp: Component, by_room: list[Device], wl: Workload, po
             continue
         ledger.commit(need, "text encoder (split)")
         layers = {d.id: [min(ks), max(ks)] for j, d in enumerate(group)
-                  if (ks := [b for b, i in enumerate(index[1:]) if i == j])}
+                  if (ks := [b for b, i in enumerate(index[1:len(blocks) + 1]) if i == j])}
         parts = ", ".join(f"{dev} {format_bytes(resident[dev])} (blocks {a}-{b})" for dev, (a, b) in layers.items())
         reasons = [f"{format_bytes(wbytes)} of weights fit on no one GPU beside what the plan put there: layers split "
                    f"in order over {k} GPUs: {parts}",
@@ -697,6 +698,9 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
     host = next((d for d in devices if d.kind == "cpu"), None)
     ledger = _Ledger(devices, policy)
     by_role = {c.role: c for c in components}
+    if "text_encoder" in by_role and "dit" in by_role:   # LTX-2's encoder also loads parts of the DiT's checkpoint
+        te = by_role["text_encoder"]
+        by_role["text_encoder"] = replace(te, size=text_encoder_for(te.size, by_role["dit"].size))
     placements: list[Placement] = []
     attempts: list[str] = []
 

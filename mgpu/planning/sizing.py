@@ -17,7 +17,7 @@ import os
 import re
 import struct
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mgpu.errors import SizingError
@@ -392,6 +392,12 @@ class ComponentSize:
     # Floating tensors with >= 2 dims: what a dtype recast (fp8/bf16 weights) changes; norms and biases keep theirs.
     matrix_params: int = 0
     matrix_bytes: int = 0
+    # Of bytes_outside_blocks, those ComfyUI's module registers after the blocks (LTX-2's text projection): a layer
+    # split puts them with the last layers.
+    bytes_after_blocks: int = 0
+    # What ComfyUI's LTX-2 text encoder loads from this file besides the component (an LTX-2 checkpoint's text
+    # projection, ``ltx2_text_encoder_parts``), sized on its own; ``text_encoder_for`` adds it to the encoder.
+    text_encoder_parts: ComponentSize | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -400,6 +406,8 @@ class ComponentSize:
     def from_dict(cls, d: dict) -> ComponentSize:
         d = dict(d)
         d["blocks"] = [BlockGroup(**b) for b in d.get("blocks", [])]
+        if d.get("text_encoder_parts") is not None:
+            d["text_encoder_parts"] = cls.from_dict(d["text_encoder_parts"])
         return cls(**d)
 
 
@@ -700,7 +708,18 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
                         "sized generically, memory estimates will be rough.")
         detection = _Detection("unknown", "unknown", {})
     warnings += detection.warnings + _other_parts(path, everything, prefix)
+    size = _sized(path, tensors, detection, prefix, warnings)
+    parts = ltx2_text_encoder_parts(everything)
+    if detection.kind == "text_encoder":   # a Gemma file that holds LTX-2's projection too: it comes last
+        return replace(size, bytes_after_blocks=sum(t.nbytes for k, t in tensors.items() if prefix + k in parts))
+    if parts:
+        size.text_encoder_parts = _sized(path, parts, _Detection("text_encoder_part", "ltx2-text-projection", {}),
+                                         LTX2_TEXT_PROJECTION, [])
+    return size
 
+
+def _sized(path: str, tensors: dict[str, TensorInfo], detection: _Detection, prefix: str,
+           warnings: list[str]) -> ComponentSize:
     total = sum(t.nbytes for t in tensors.values())
     by_dtype: Counter = Counter()
     for t in tensors.values():
@@ -713,6 +732,42 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
         bytes_outside_blocks=total - (sum(groups[0].bytes_per_block) if groups else 0), dims=detection.dims,
         key_prefix=prefix, warnings=warnings, matrix_params=sum(t.numel for t in matrices),
         matrix_bytes=sum(t.nbytes for t in matrices))
+
+
+# ComfyUI 0.33's LTX-2 text encoder (comfy/text_encoders/lt.py, LTXAVTEModel.load_sd) is Gemma plus what it loads
+# from the LTX-2 checkpoint given beside the Gemma file (LTXAVTextEncoderLoader's ckpt_name, MGPU Load Text Encoder's
+# clip_name2): the text projection (``text_embedding_projection.aggregate_embed.weight``, 1.4 GB in LTX-2 19B;
+# LTX-2.3's ``video_``/``audio_aggregate_embed``), and, in its compatibility mode (an audio connector 3840 wide
+# without a third block: LTX-2 19B's), both text connectors too, a second copy beside the DiT's (1.4 GB more).
+LTX2_TEXT_PROJECTION = "text_embedding_projection."
+LTX2_CONNECTORS = ("model.diffusion_model.video_embeddings_connector.",
+                   "model.diffusion_model.audio_embeddings_connector.")
+_COMPAT_PROBE = "model.diffusion_model.audio_embeddings_connector.transformer_1d_blocks.{}.attn1.to_q.bias"
+
+
+def ltx2_text_encoder_parts(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The tensors of a file (full key names) that ComfyUI's LTX-2 text encoder loads from it; none without a text
+    projection (a file without one is no LTX-2 checkpoint to load the encoder with)."""
+    parts = {k: t for k, t in tensors.items() if k.startswith(LTX2_TEXT_PROJECTION)}
+    probe = tensors.get(_COMPAT_PROBE.format(0))
+    if parts and probe is not None and probe.shape[0] == 3840 and _COMPAT_PROBE.format(2) not in tensors:
+        parts.update({k: t for k, t in tensors.items() if k.startswith(LTX2_CONNECTORS)})
+    return parts
+
+
+def text_encoder_for(encoder: ComponentSize, dit: ComponentSize) -> ComponentSize:
+    """The text encoder as ComfyUI loads it for this DiT: for LTX-2, with the parts it loads from the DiT's
+    checkpoint (``ltx2_text_encoder_parts``), registered after Gemma's layers. Unchanged otherwise, and when the
+    encoder's own file holds them already."""
+    parts = dit.text_encoder_parts if dit.family.startswith("ltx2") else None
+    if parts is None or encoder.kind != "text_encoder" or encoder.bytes_after_blocks:
+        return encoder
+    by_dtype = Counter(encoder.bytes_by_dtype)
+    by_dtype.update(parts.bytes_by_dtype)
+    return replace(encoder, total_bytes=encoder.total_bytes + parts.total_bytes, params=encoder.params + parts.params,
+                   bytes_by_dtype=dict(by_dtype), bytes_outside_blocks=encoder.bytes_outside_blocks + parts.total_bytes,
+                   bytes_after_blocks=parts.total_bytes, matrix_params=encoder.matrix_params + parts.matrix_params,
+                   matrix_bytes=encoder.matrix_bytes + parts.matrix_bytes)
 
 
 def size_from_bytes(kind: str, family: str, total_bytes: int, dims: dict[str, int] | None = None,
