@@ -626,3 +626,26 @@ def write_not_safetensors(path: str | Path, kind: str) -> Path:
         path.write_bytes({"pickle": b"\x80\x04\x95" + b"\x00" * 64, "gguf": b"GGUF\x03\x00\x00\x00" + b"\x00" * 64,
                           "text": b"this is a README, not a model\n" * 4, "empty": b""}[kind])
     return path
+
+
+# -------------------------------------------------------------------------------------------- Wan VACE DiT
+
+def wan_vace_dit(dim: int, ffn: int, layers: int, vace_layers: int, vace_in: int = 96, in_ch: int = 16,
+                 out_ch: int = 16, dtype: str = "BF16", prefix: str = "") -> Layout:
+    """comfy.ldm.wan.model.VaceWanModel (ComfyUI detects it by ``vace_patch_embedding``): the T2V DiT plus
+    ``vace_layers`` VACE blocks in the main blocks' layout (``before_proj`` on the first, ``after_proj`` on each) and
+    a patch embedding of the VACE context (96 channels: 32 latent + 64 mask). Real 14B: 40 layers, 8 VACE; 1.3B: 30,
+    15. ComfyUI runs VACE block n after main block n x (layers // vace_layers)."""
+    out = wan_dit(dim, ffn, layers, in_ch=in_ch, out_ch=out_ch, dtype=dtype, prefix=prefix)
+    first = prefix + "blocks.0."
+    block = {key[len(first):]: entry for key, entry in out.items() if key.startswith(first)}
+    b = _Builder(dtype, prefix)
+    for i in range(vace_layers):
+        for key, (shape, stored) in block.items():
+            b.add(f"vace_blocks.{i}.{key}", *shape, dtype=stored)
+        if i == 0:
+            b.lin("vace_blocks.0.before_proj", dim, dim)
+        b.lin(f"vace_blocks.{i}.after_proj", dim, dim)
+    b.add("vace_patch_embedding.weight", dim, vace_in, 1, 2, 2)
+    b.add("vace_patch_embedding.bias", dim)
+    return {**out, **b.out}

@@ -144,3 +144,19 @@ EXPECTED_DETECTION = {
     "ltx2": ("LTXAV", "LTXAV", "LTXAVModel"),   # ComfyUI 0.33 only
     "wan21_vae": ("WanVAE",),
 }
+
+
+def wan21_vace_dit_shapes(cfg: WanDiTConfig = WanDiTConfig(), vace_layers: int = 2) -> Shapes:
+    """Key -> shape of a Wan 2.1 VACE DiT (bare keys). ComfyUI runs VACE block n after main block
+    n x (layers // vace_layers) and indexes past its VACE blocks unless ``vace_layers`` divides the layers."""
+    if cfg.num_layers % vace_layers:
+        raise ValueError(f"{vace_layers} VACE blocks must divide the {cfg.num_layers} layers (ComfyUI's "
+                         "vace_layers_mapping would index past the VACE blocks)")
+    return _shapes(L.wan_vace_dit(cfg.dim, cfg.ffn_dim, cfg.num_layers, vace_layers, in_ch=cfg.in_dim,
+                                  out_ch=cfg.out_dim))
+
+
+def write_tiny_wan21_vace(path: str | Path, cfg: WanDiTConfig = WanDiTConfig(), vace_layers: int = 2, *,
+                          prefix: str = "", seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """ComfyUI detects this as WAN21_Vace (model_base.WAN21_Vace, comfy.ldm.wan.model.VaceWanModel)."""
+    return save_checkpoint(path, random_state_dict(wan21_vace_dit_shapes(cfg, vace_layers), seed, dtype), prefix)

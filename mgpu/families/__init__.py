@@ -24,9 +24,11 @@ from mgpu.planning.parallel import best_split
 
 log = logging.getLogger(__name__)
 
-# Network class -> adapter module (imported on first use). Subclasses (VaceWanModel, ...) differ in their forward
-# and need their own entry.
+# Network class -> adapter module (imported on first use). A subclass differs in its forward and needs its own entry:
+# Wan's S2V, HuMo, Animate (tokens grouped by frame), Animate 2 and the causal model have none.
 ADAPTERS = {"WanModel": "mgpu.families.wan", "WanTransformer3DModel": "mgpu.families.wan_diffusers",
+            "VaceWanModel": "mgpu.families.wan", "CameraWanModel": "mgpu.families.wan",
+            "SCAILWanModel": "mgpu.families.wan", "SCAIL2WanModel": "mgpu.families.wan",
             "LTXVModel": "mgpu.families.ltxv"}   # not LTXAVModel (LTX-2 audio+video), a subclass
 
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 from mgpu.planning.devices import Device
 
-# Families with a sequence-parallel adapter (mgpu/families): the family names mgpu.planning.sizing gives, by prefix.
+# Families with a sequence-parallel adapter (mgpu/families): the family names mgpu.planning.sizing gives, by prefix,
+# except the Wan variants whose network has none (mgpu.families.wan: S2V, HuMo, Animate group tokens by frame).
 SP_FAMILIES = ("wan", "ltxv")
+NO_SP_VARIANTS = ("-s2v", "-humo", "-animate")
 # Effective bytes/s a rank moves per direction in a collective over the group's slowest link (NVLink4 ~450 GB/s
 # peak, PCIe4 x16 ~32 GB/s peak with P2P, about half of that through host memory without it).
 LINK_BYTES_PER_S = {"nvlink": 300e9, "p2p": 20e9, "pcie": 10e9}
@@ -55,7 +57,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def has_sp_adapter(family: str) -> bool:
-    return family.startswith(SP_FAMILIES)
+    return family.startswith(SP_FAMILIES) and not any(variant in family for variant in NO_SP_VARIANTS)
 
 
 def best_split(ranks: int, rows: int, degrees: list[int]) -> tuple[int, int]:
