@@ -118,3 +118,110 @@ def dense_mask_error(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> di
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         del model._build_guide_self_attention_mask
+
+
+# ------------------------------------------------------------------ LTX-2 (ComfyUI 0.33's LTXAVModel): video + audio
+
+AUDIO_CHANNELS, FREQ_BINS = 8, 16    # LTX-2's audio latent (ComfyUI fixes both): 128 values per audio token
+AUDIO_TOKENS = 7                     # whole on every rank
+
+
+def has_ltxav() -> bool:
+    """ComfyUI >= 0.3.7x: LTX-2's audio + video network (comfy.ldm.lightricks.av_model.LTXAVModel)."""
+    import importlib.util
+
+    tm._import_comfy()
+    return importlib.util.find_spec("comfy.ldm.lightricks.av_model") is not None
+
+
+def tiny_ltxav(heads: int = 4) -> torch.nn.Module:
+    """comfy.ldm.lightricks.av_model.LTXAVModel, 2 layers: video ``heads`` x 8, audio 2 x 8, with LTX-2.3's options
+    (text cross-attention AdaLN, gated attention, split rope on token middles, the keyframe position embedding)."""
+    tm._import_comfy()
+    import comfy.ops
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    return LTXAVModel(in_channels=CHANNELS, audio_in_channels=AUDIO_CHANNELS * FREQ_BINS,
+                      cross_attention_dim=8 * heads, audio_cross_attention_dim=16, attention_head_dim=8,
+                      audio_attention_head_dim=8, num_attention_heads=heads, audio_num_attention_heads=2,
+                      caption_channels=CAPTION, num_layers=2, cross_attention_adaln=True, apply_gated_attention=True,
+                      rope_type="split", use_middle_indices_grid=True, use_keyframes_abs_pos_embedding=True,
+                      connector_num_attention_heads=2, connector_attention_head_dim=8, connector_num_layers=1,
+                      operations=comfy.ops.disable_weight_init)
+
+
+def ltxav_inputs(batch: int, seed: int = 0, mask: str | None = None) -> dict:
+    """What ComfyUI's LTXAV BaseModel passes: [video, audio] latents, (video, audio) timesteps, the connectors'
+    context (video and audio halves) and its text mask. Every row has the same timesteps, as CFG's cond and uncond
+    do (LTX-2's cross-stream gates take the max over the whole batch, so rows split apart must agree). ``mask``: a
+    denoise mask, per token as ``process_timestep`` makes it: "frame" keeps the first latent frame clean and the
+    second half-noised (ComfyUI keeps one timestep per frame), "spatial" part of the first (one per token); the audio
+    then gets a per-token timestep too."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = torch.rand(1, generator=g).expand(batch)
+    v_timestep = a_timestep = sigma
+    inputs = {}
+    if mask is not None:
+        denoise = torch.ones(batch, 1, FRAMES, HEIGHT, WIDTH)
+        denoise[:, :, 0, :(HEIGHT if mask == "frame" else 1)] = 0.0
+        denoise[:, :, 1] = 0.5   # a frame conditioned at strength 0.5: every frame's timestep differs
+        inputs["denoise_mask"] = denoise
+        v_timestep = denoise.flatten(2).transpose(1, 2) * sigma[:, None, None]
+        a_timestep = torch.rand(1, AUDIO_TOKENS, 1, generator=g) * sigma[:, None, None]
+    text = torch.ones(batch, TEXT, dtype=torch.long)
+    text[1:, -1] = 0
+    video = torch.randn(batch, CHANNELS, FRAMES, HEIGHT, WIDTH, generator=g)
+    audio = torch.randn(batch, AUDIO_CHANNELS, AUDIO_TOKENS, FREQ_BINS, generator=g)
+    return {"x": [video, audio], "timestep": (v_timestep, a_timestep),
+            "context": torch.randn(batch, TEXT, 2 * CAPTION, generator=g), "attention_mask": text, **inputs}
+
+
+def ltxav_guide_inputs(batch: int, seed: int = 0) -> dict:
+    """LTXVAddGuide's conditioning on LTX-2 (``guide_inputs``: a guide frame at strength 0.5 with 3 tokens dropped,
+    so a GuideAttentionMask), beside the audio."""
+    inputs = guide_inputs(batch, seed)
+    av = ltxav_inputs(batch, seed)
+    inputs["x"] = [inputs["x"], av["x"][1]]
+    inputs["timestep"] = (inputs["timestep"], av["timestep"][1])
+    inputs["context"] = av["context"]
+    return inputs
+
+
+def ltxav_attention_tokens(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """Rank op: a batch-1 forward (``ltxav_inputs(1)``) with the split the rank op would take, reporting the tokens
+    each block's video and audio self-attention were given."""
+    entry = ctx.objects[payload["handle"]]
+    model = entry["model"]
+    _use_layout(entry, 1)
+    seen: dict[str, list[int]] = {"video": [], "audio": []}
+    hooks = [block.attn1.register_forward_pre_hook(lambda m, args: seen["video"].append(args[0].shape[1]))
+             for block in model.transformer_blocks]
+    hooks += [block.audio_attn1.register_forward_pre_hook(lambda m, args: seen["audio"].append(args[0].shape[1]))
+              for block in model.transformer_blocks]
+    try:
+        with torch.no_grad():
+            model(**ltxav_inputs(1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def ltxav_dense_mask_error(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """Rank op: a batch-1 forward whose video self-attention gets a dense [1, 1, tokens, tokens] mask, as a future
+    ComfyUI could build it; returns the error it raised (None if it ran)."""
+    from mgpu.sharding.model_ops import _clean_after_failed_forward
+
+    entry = ctx.objects[payload["handle"]]
+    model = entry["model"]
+    _use_layout(entry, 1)
+    model._build_guide_self_attention_mask = lambda x, options, args: torch.zeros(1, 1, x[0].shape[1], x[0].shape[1])
+    try:
+        with torch.no_grad():
+            model(**ltxav_inputs(1))
+        return {"error": None}
+    except Exception as exc:   # noqa: BLE001 - the test reads its type and message
+        _clean_after_failed_forward(ctx, entry)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        del model._build_guide_self_attention_mask

@@ -6,6 +6,8 @@ LTXVScheduler) == the same graph on UNETLoader, both streams; with a LoRA on the
 too. The connectors turn the text encoder's output into each stream's context outside the network's forward
 (``preprocess_text_embeds``, called by ComfyUI's conds on the host): they run on the ranks. ComfyUI 0.3.64 has no
 LTX-2 (it would take the file for LTX-Video): the loader says so, by name, on fsdp and on one device.
+At cfg 1 (one batch row per step) the fsdp loader's sequence parallelism splits the video tokens over the 2 ranks,
+the audio whole on both (mgpu.families.ltxav), and both streams still equal stock ComfyUI's.
 MGPU Load VAE loads LTX-2's video VAE (from the all-in-one file) and audio VAE on a chosen device == ComfyUI's Load VAE.
 
 The tiny LTX-2 comes with its dims in its metadata, as the real files do. The sampling test's audio latent is a zero
@@ -14,11 +16,13 @@ latent file of the shape LTXVEmptyLatentAudio makes, so that it needs no audio V
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from comfy_checkpoints import write_tiny_ltx2
-from comfyui_env import ComfyServer
+from comfyui_env import ComfyServer, find_comfyui
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -148,6 +152,45 @@ def test_sharded_ltx2_matches_stock_on_both_streams(server: ComfyServer) -> None
     assert len(ranks_of(server)) == 2
     assert f"{LTX2} sharded over 2 ranks (cpu, cpu) loaded" in log
     assert "weight patches for 2 weights sent to the ranks" in log
+
+
+# ------------------------------------------------------------------------------------- sequence parallelism
+
+def _comfyui_has_ltx2() -> bool:
+    """Without starting it: the ComfyUI under test has LTX-2's network (0.33; 0.3.64 has none)."""
+    path = find_comfyui()
+    return path is not None and (path / "comfy" / "ldm" / "lightricks" / "av_model.py").is_file()
+
+
+def _splits(log: str) -> set[tuple[int, int]]:
+    """The (cfg groups, sequence ranks) splits the sharded LTX-2's forwards took, as ComfyUI's log says them."""
+    return {(int(c), int(s)) for c, s in re.findall(re.escape(LTX2) + r": \d+ batch rows per step split (\d+) "
+                                                    r"\(CFG/batch\) x (\d+) \(sequence\)", log)}
+
+
+@pytest.mark.xfail("not _comfyui_has_ltx2()", run=False, strict=True,
+                   reason="not applicable: this ComfyUI has no LTX-2 (the loader's refusal is tested above)")
+def test_cfg_1_splits_the_video_tokens_and_matches_stock_on_both_streams(server: ComfyServer) -> None:
+    """The LTX-2 workflow at cfg 1 (one batch row per step) on MGPU Load Diffusion Model (fsdp, 2 ranks,
+    sequence_parallel auto): the 27 video tokens (3 latent frames of 3 x 3) split 14 / 13 over the ranks, the audio
+    whole on both; both streams equal stock ComfyUI's."""
+    prompt = ltx2_prompt(seed=6, runs={"stock": "stock_unet", "sp": "sp_unet"})
+    prompt["sp_unet"] = {"class_type": "MgpuLoadDiffusionModel",
+                         "inputs": {"unet_name": LTX2, "weight_dtype": "default", "device": "fsdp", "fsdp_ranks": 2,
+                                    "sequence_parallel": "auto"}}
+    prompt["video"]["inputs"].update(width=96, height=96, length=17)
+    for name in ("stock", "sp"):
+        prompt[f"{name}_guider"]["inputs"]["cfg"] = 1.0
+    log_start = len(server.log())
+    out = latents(server, run(server, prompt, timeout=600))
+    assert out["stock_video"].shape == (1, 128, 3, 3, 3) and out["stock_audio"].shape == (1, 8, 5, 16)
+    for stream in ("video", "audio"):
+        stock = out[f"stock_{stream}"]
+        assert torch.isfinite(stock).all() and stock.abs().max() > 0.1, stream
+        diff = max_diff(out[f"sp_{stream}"], stock)
+        print(f"LTX-2 cfg 1, sequence parallel over 2 ranks, {stream}: max diff {diff:.3g}")
+        assert diff <= TOLERANCE, stream
+    assert _splits(server.log()[log_start:]) == {(1, 2)}
 
 
 # ------------------------------------------------------------------------------------------------ VAEs

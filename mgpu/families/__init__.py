@@ -1,6 +1,6 @@
 """Parallelism beyond FSDP for the diffusion networks that support it, one adapter module per family.
 
-The registry is keyed by the network's class name (ComfyUI's ``WanModel``, ``LTXVModel``; diffusers'
+The registry is keyed by the network's class name (ComfyUI's ``WanModel``, ``LTXVModel``, ``LTXAVModel``; diffusers'
 ``WanTransformer3DModel``); adapters hook the model's own modules on the rank, never import ComfyUI, never copy
 its code. ``parallelize`` turns the ranks into a 2-D mesh
 ("cfg" x "sp"): the cfg groups split the batch (CFG cond/uncond rows), the ranks of one group split each sample's
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 ADAPTERS = {"WanModel": "mgpu.families.wan", "WanTransformer3DModel": "mgpu.families.wan_diffusers",
             "VaceWanModel": "mgpu.families.wan", "CameraWanModel": "mgpu.families.wan",
             "SCAILWanModel": "mgpu.families.wan", "SCAIL2WanModel": "mgpu.families.wan",
-            "LTXVModel": "mgpu.families.ltxv"}   # not LTXAVModel (LTX-2 audio+video), a subclass
+            "LTXVModel": "mgpu.families.ltxv", "LTXAVModel": "mgpu.families.ltxav"}   # LTXAV: LTX-2, audio + video
 
 
 @dataclass(frozen=True)
