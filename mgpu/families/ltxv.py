@@ -69,8 +69,8 @@ class _SpForward(SequenceGroups):
             return t[:, lo:hi]
         if t.shape[1] == 1:
             return t
-        raise ShardingError(f"LTXVModel sequence parallelism: {what} has {t.shape[1]} token rows for {total} tokens, "
-                            f"so its rows cannot be split with the tokens; {_OFF}")
+        raise ShardingError(f"{self.model} sequence parallelism: {what} has {t.shape[1]} token rows for {total} "
+                            f"tokens, so its rows cannot be split with the tokens; {_OFF}")
 
     def timestep_output(self, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict,
                         out: tuple[torch.Tensor, torch.Tensor]) -> tuple | None:
@@ -97,7 +97,7 @@ class _SpForward(SequenceGroups):
             self.local = True
         rows = inputs["timestep"].shape[1]
         if rows not in (1, self.sizes[self.index]):
-            raise ShardingError(f"LTXVModel sequence parallelism: the timestep modulation has {rows} rows for "
+            raise ShardingError(f"{self.model} sequence parallelism: the timestep modulation has {rows} rows for "
                                 f"{self.sizes[self.index]} local tokens; {_OFF}")
         inputs["pe"] = self.local_rope(inputs["pe"])
         return bound.args, bound.kwargs
@@ -117,7 +117,7 @@ class _SpForward(SequenceGroups):
             return None
         options = kwargs.get("transformer_options")
         if options is None:
-            raise ShardingError("LTXVModel sequence parallelism needs the self-attention to receive "
+            raise ShardingError(f"{self.model} sequence parallelism needs the self-attention to receive "
                                 f"transformer_options (ComfyUI >= 0.3.64 passes them); this ComfyUI does not: {_OFF}")
         guide = self.guide_mask(kwargs.get("mask"))
         override = functools.partial(self.attention, options.get("optimized_attention_override"), guide, options)
@@ -132,7 +132,7 @@ class _SpForward(SequenceGroups):
             return None
         if type(mask).__name__ == "GuideAttentionMask" and self.guide_attention is not None:
             return mask
-        raise ShardingError(f"LTXVModel sequence parallelism: the self-attention got a {type(mask).__name__} mask, "
+        raise ShardingError(f"{self.model} sequence parallelism: the self-attention got a {type(mask).__name__} mask, "
                             "which it cannot split over the ranks (supported: none, and ComfyUI's "
                             f"GuideAttentionMask); {_OFF}")
 
@@ -145,7 +145,7 @@ class _SpForward(SequenceGroups):
         else:
             heads, *args = args
         if args or kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape"):
-            raise ShardingError("LTXVModel sequence parallelism: the self-attention was called with a mask or "
+            raise ShardingError(f"{self.model} sequence parallelism: the self-attention was called with a mask or "
                                 f"another layout than [batch, tokens, heads x dim]; {_OFF}")
         if guide is not None:
             def attend(q, k, v, local_heads):
@@ -166,8 +166,8 @@ def parallelize_ltxv(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callabl
     heads = heads_of(model)
     bad = [d for d in meshes if heads % d]
     if bad:
-        raise ShardingError(f"LTXVModel has {heads} attention heads, which sequence-parallel degree {bad[0]} does "
-                            "not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
+        raise ShardingError(f"{type(model).__name__} has {heads} attention heads, which sequence-parallel degree "
+                            f"{bad[0]} does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
     guide_attention = getattr(inspect.getmodule(type(model)), _GUIDE_ATTENTION, None)
     state = _SpForward(meshes, guide_attention)
     model.register_forward_pre_hook(state.begin)
