@@ -20,7 +20,7 @@ from typing import Any
 from mgpu.planning.devices import Device, inventory, parse_spec
 from mgpu.errors import MgpuError, SizingError
 from mgpu.planning.estimates import Workload
-# phases_resident is the partitioner's own residency rule: the chart's bars then add up to its numbers.
+# phases_resident / phases_working are the partitioner's own rules: the chart's bars then add up to its numbers.
 from mgpu.planning.partition import (
     EXPERT_ROLES,
     ONE_AT_A_TIME,
@@ -30,6 +30,7 @@ from mgpu.planning.partition import (
     Policy,
     make_plan,
     phases_resident,
+    phases_working,
 )
 from mgpu.planning.sizing import ComponentSize, size_component
 
@@ -279,6 +280,10 @@ def chart(plan: Plan) -> list[dict]:
                              else _EXPERT_LABEL[p.role] if p.experts else "")
                     segments.append({"kind": "dit" if p.role in EXPERT_ROLES else p.role,
                                      "label": f"{what} weights{which}", "bytes": p.resident_bytes[use.device]})
+            cached = max((p.working_bytes.get(use.device, 0) for p in plan.placements if p.role in EXPERT_ROLES
+                          and phase != "sample" and phase in phases_working(p.role, p.strategy)), default=0)
+            if cached:   # an FSDP DiT's ranks keep their working memory after sampling
+                segments.append({"kind": "working", "label": "DiT working (cached by its ranks)", "bytes": cached})
             working = max((p.working_bytes.get(use.device, 0) for p in plan.placements
                            if p.role == _RUNS_IN[phase] or (phase == "sample" and p.role in EXPERT_ROLES)), default=0)
             if working:

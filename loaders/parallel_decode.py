@@ -93,6 +93,27 @@ def pick_auto(devices: list[Device], need: int, home: str) -> tuple[list[str], s
     return chosen, why + (f"; left out {', '.join(short)}" if short else "")
 
 
+def planned(plan, known: list[str], home: str) -> tuple[list[str], str] | None:
+    """For "auto" with an MGPU Plan connected: the GPUs the plan splits the decode over (the VAE's device ``home``
+    first when it is one of them), or ``home`` alone when the plan decodes on one device; None when the plan has no
+    VAE. Raises MgpuError when a planned GPU is not one of ``known`` (a plan made for another machine)."""
+    placed = plan.placement("vae") if plan is not None else None
+    if placed is None:
+        return None
+    if placed.strategy != "split":
+        return [home], f"auto: the MGPU Plan decodes on one device, so the VAE's device {home} alone"
+    missing = [d for d in placed.devices if d != CPU and d not in known]
+    if missing:
+        raise MgpuError(f"{NODE}: the MGPU Plan splits the decode over {', '.join(placed.devices)}, but "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on this machine (it has "
+                        f"{', '.join(dict.fromkeys([*known, CPU]))}); make the plan with devices 'auto' for this "
+                        f"machine, or write the devices here; {FORMS}")
+    chosen = sorted(placed.devices, key=lambda d: d != home)
+    each = max(placed.resident_bytes.get(d, 0) + placed.working_bytes.get(d, 0) for d in chosen)
+    return chosen, (f"auto: the MGPU Plan's split over {', '.join(chosen)} ({format_bytes(each)} each: a VAE copy "
+                    "and one tile of VAE Decode (Tiled)'s default size)")
+
+
 def labels(devices: list[str]) -> list[str]:
     """How errors and logs name each entry: the device id, numbered where an id is listed more than once."""
     seen: dict[str, int] = {}
@@ -120,15 +141,20 @@ class TileSettings:
 
 
 def decode(vae, samples: dict, devices: str, tiles: TileSettings = TileSettings(),
-           machine: Callable[[], list[Device]] | None = None) -> torch.Tensor:
+           machine: Callable[[], list[Device]] | None = None, plan=None) -> torch.Tensor:
     """IMAGE of ``samples`` (a LATENT) decoded as ComfyUI's VAEDecodeTiled with ``tiles`` would, its tiles spread
-    over ``devices`` (the node's text). ``machine`` lists this machine's devices (tests); default: the live ones."""
+    over ``devices`` (the node's text; "auto" follows ``plan``, an MGPU Plan, when one is connected). ``machine``
+    lists this machine's devices (tests); default: the live ones."""
     from . import placement
 
     vae.throw_exception_if_invalid()
     machine = machine or placement.live_devices
-    wanted = parse_devices(devices, [d.id for d in gpus(machine())])   # before anything is loaded or decoded
+    known = [d.id for d in gpus(machine())]
+    wanted = parse_devices(devices, known)   # before anything is loaded or decoded
     home = _device_id(vae.device)
+    if wanted is None and (chosen := planned(plan, known, home)) is not None:
+        wanted, why = chosen
+        log.info("%s: %s", NODE, why)
     if not _comfyui_tiles(vae):
         if wanted is not None and wanted != [home]:
             log.warning("%s: this VAE (%s) tiles its own decode; decoding on its device %s only", NODE,

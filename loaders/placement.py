@@ -22,6 +22,7 @@ from mgpu.errors import MgpuError
 log = logging.getLogger("mgpu")
 
 AUTO, CPU, FSDP = "auto", "cpu", "fsdp"
+SPLIT = "split"   # a plan strategy: a text encoder's layers, or a VAE's decode tiles, over several GPUs
 ROLES = ("dit", "text_encoder", "vae")
 NODE_OF_ROLE = {"dit": "MGPU Load Diffusion Model", "text_encoder": "MGPU Load Text Encoder", "vae": "MGPU Load VAE"}
 _LABEL_OF_ROLE = {"dit": "diffusion model", "text_encoder": "text encoder", "vae": "VAE"}
@@ -175,6 +176,8 @@ def _fsdp(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
 
 def _auto(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
     placed = plan.placement(role) if plan is not None else None
+    if placed is not None and role == "vae" and placed.strategy == SPLIT:
+        return _split_decode_home(placed, devices, choices)
     if placed is not None:
         _check_exists(role, placed.devices, devices, choices,
                       f" (the MGPU Plan places the {_LABEL_OF_ROLE[role]} there: make the plan with devices "
@@ -189,6 +192,17 @@ def _auto(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
         return Choice("single", [best.id], None, f"auto: {best.id} has the most free memory "
                                                  f"({format_bytes(best.free_bytes)})")
     return Choice("cpu", [CPU], None, "auto: no GPU, so the cpu")
+
+
+def _split_decode_home(placed, devices: list[Device], choices: list[str]) -> Choice:
+    """A plan that splits the VAE's decode over several GPUs (MGPU VAE Decode) loads the VAE on the first of them;
+    the others get their copies from MGPU VAE Decode, which checks them itself."""
+    home = placed.devices[0]
+    _check_exists("vae", [home], devices, choices,
+                  " (the MGPU Plan loads the VAE there: make the plan with devices 'auto' for this machine, or pick "
+                  "a device on this node)")
+    return Choice("single", [home], None, f"auto: following the plan (the VAE on {home}; MGPU VAE Decode splits "
+                                          f"its decode over {', '.join(placed.devices)})")
 
 
 def resolve(choice: str, role: str, plan=None, devices: list[Device] | None = None) -> Choice:

@@ -30,7 +30,8 @@ class MgpuPlan(io.ComfyNode):
             display_name="MGPU Plan",
             category="MGPU",
             description="Decides, from the model files' headers (no weights loaded), which device holds the text "
-                        "encoder, the DiT (one GPU, sharded with FSDP, or offloaded) and the VAE for this video "
+                        "encoder, the DiT (one GPU, sharded with FSDP, or offloaded) and the VAE (one GPU, or a long "
+                        "video's decode split over GPUs: connect the plan to MGPU VAE Decode) for this video "
                         "size, and shows each device's peak memory and headroom. Loaders set to auto follow it. "
                         "With a second expert (Wan 2.2 A14B: dit is the high-noise one, dit_low_noise the other) "
                         "both experts share the devices: both resident when memory allows, else one at a time, "

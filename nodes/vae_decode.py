@@ -8,9 +8,11 @@ import nodes as comfy_nodes   # ComfyUI's nodes.py: this pack's own package is n
 from comfy_api.latest import io
 
 from ..loaders import parallel_decode
+from .plan import PlanType
 
-_DEVICES_TIP = ("where the tiles are decoded, each device with its own copy of the VAE: auto (the VAE's GPU and "
-                "every other GPU with room for a copy and one tile), or a list such as cuda:0,cuda:1")
+_DEVICES_TIP = ("where the tiles are decoded, each device with its own copy of the VAE: auto (the MGPU Plan's "
+                "choice when one is connected, else the VAE's GPU and every other GPU with room for a copy and one "
+                "tile), or a list such as cuda:0,cuda:1")
 # What an INT input of VAEDecodeTiled may say that io.Int.Input takes in both ComfyUI versions.
 _INT_OPTIONS = ("default", "min", "max", "step", "tooltip")
 
@@ -38,11 +40,14 @@ class MgpuVAEDecode(io.ComfyNode):
                 io.Vae.Input("vae"),
                 io.String.Input("devices", default="auto", tooltip=_DEVICES_TIP),
                 *_tile_inputs(),
+                # optional and last, so saved workflows and API prompts made before it still load unchanged
+                PlanType.Input("plan", optional=True,
+                               tooltip="an MGPU Plan: devices auto then decodes where the plan says"),
             ],
             outputs=[io.Image.Output()],
         )
 
     @classmethod
-    def execute(cls, samples: dict, vae, devices: str, **tiles: int) -> io.NodeOutput:
+    def execute(cls, samples: dict, vae, devices: str, plan=None, **tiles: int) -> io.NodeOutput:
         settings = parallel_decode.TileSettings(**tiles)
-        return io.NodeOutput(parallel_decode.decode(vae, samples, devices, settings))
+        return io.NodeOutput(parallel_decode.decode(vae, samples, devices, settings, plan=plan))

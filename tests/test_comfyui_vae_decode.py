@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from comfy_checkpoints import write_wan21_vae
+from comfy_checkpoints import write_tiny_wan21_t2v, write_wan21_vae
 from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui
 
 pytestmark = pytest.mark.comfyui
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.comfyui
 TESTS = Path(__file__).resolve().parent
 MARK = "@@RESULT@@"
 VAE = "mgpu_vae_decode_wan.safetensors"
+DIT = "mgpu_vae_decode_wan_dit.safetensors"   # for the MGPU Plan (its VAE is what matters here)
 
 
 def in_comfyui(check: str, folder: Path, timeout: float = 900) -> Any:
@@ -102,6 +103,22 @@ def test_three_devices_share_the_image_tiles_round_robin(image):
     assert len(three["threads"]) == 3 and not three["copies_share_weights"]
 
 
+# ------------------------------------------------------------------------------------------ with a plan
+
+def test_auto_with_a_plan_decodes_where_the_plan_says(tmp_path):
+    """A plan that splits the decode over two devices: two networks, each its share of the tiles, the same image as
+    VAE Decode (Tiled); a plan that decodes on one device: the VAE's own network alone; a plan for GPUs this
+    machine lacks: refused before any tile is decoded."""
+    facts = in_comfyui("check_plan", tmp_path)
+    assert facts["max_diff_split"] == 0.0 and facts["max_diff_one"] == 0.0
+    assert len(facts["split"]["tiles_per_network"]) == 2 and facts["split"]["own_network_decoded"]
+    assert facts["one"]["tiles_per_network"] == [sum(facts["split"]["tiles_per_network"])]
+    assert facts["one"]["own_network_decoded"]
+    assert facts["missing"].startswith("MGPU VAE Decode: the MGPU Plan splits the decode over cuda:0, cuda:1, but "
+                                       "cuda:0, cuda:1 are not on this machine")
+    assert facts["missing_decoded"] == 0
+
+
 # --------------------------------------------------------------------------------------- cancel, failures
 
 def test_cancel_stops_between_tiles_and_the_next_run_works(tmp_path):
@@ -129,6 +146,8 @@ def test_a_failing_device_names_itself_and_a_bad_devices_text_fails_before_decod
 def server(comfyui_server: ComfyServer) -> ComfyServer:
     if not (comfyui_server.vae / VAE).exists():
         write_wan21_vae(comfyui_server.vae / VAE)
+    if not (comfyui_server.diffusion_models / DIT).exists():
+        write_tiny_wan21_t2v(comfyui_server.diffusion_models / DIT)
     return comfyui_server
 
 
@@ -138,6 +157,7 @@ def test_the_node_offers_vae_decode_tiled_settings_and_a_devices_list(server):
     assert ours["category"] == "MGPU" and ours["output"] == ["IMAGE"]
     required = ours["input"]["required"]
     assert list(required)[:3] == ["samples", "vae", "devices"] and required["devices"][1]["default"] == "auto"
+    assert list(ours["input"]["optional"]) == ["plan"] and ours["input"]["optional"]["plan"][0] == "MGPU_PLAN"
     for name, spec in stock["input"]["required"].items():
         if spec[0] == "INT":
             assert required[name][0] == "INT"
@@ -146,8 +166,9 @@ def test_the_node_offers_vae_decode_tiled_settings_and_a_devices_list(server):
 
 
 def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
-    """A Wan latent through MGPU VAE Decode on cpu,cpu and through VAE Decode (Tiled): the same PNGs; a devices
-    text naming a GPU this machine lacks fails the prompt with the node's message."""
+    """A Wan latent through MGPU VAE Decode on cpu,cpu and through VAE Decode (Tiled): the same PNGs, also with an
+    MGPU Plan connected and devices auto; a devices text naming a GPU this machine lacks fails the prompt with the
+    node's message."""
     tiles = {"tile_size": 64, "overlap": 16, "temporal_size": 8, "temporal_overlap": 4}
     prompt = {
         "1": {"class_type": "MgpuLoadVAE", "inputs": {"vae_name": VAE, "device": "cpu"}},
@@ -165,6 +186,20 @@ def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
     stock = [server.output_dir / i["filename"] for i in entry["outputs"]["6"]["images"]]
     assert len(ours) == len(stock) == 9
     assert [Image.open(p).tobytes() for p in ours] == [Image.open(p).tobytes() for p in stock]
+
+    # with an MGPU Plan of this machine (no GPU: the VAE on the cpu) and devices auto: the same PNGs
+    prompt["7"] = {"class_type": "MgpuPlan", "inputs": {"dit": DIT, "text_encoder": "none", "vae": VAE, "width": 80,
+                                                        "height": 80, "frames": 9, "batch": 1, "cfg": True,
+                                                        "dit_weight_dtype": "default", "devices": "auto",
+                                                        "allow_offload": False, "prefer_speed": False}}
+    prompt["3"]["inputs"].update(devices="auto", plan=["7", 0])
+    prompt["1"]["inputs"].update(device="auto", plan=["7", 0])
+    entry = server.wait(server.post_prompt(prompt), timeout=600)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    planned = [server.output_dir / i["filename"] for i in entry["outputs"]["5"]["images"]]
+    assert [Image.open(p).tobytes() for p in planned] == [Image.open(p).tobytes() for p in stock]
+    del prompt["7"], prompt["3"]["inputs"]["plan"], prompt["1"]["inputs"]["plan"]
+    prompt["1"]["inputs"]["device"] = "cpu"
 
     prompt["3"]["inputs"]["devices"] = "cpu,cuda:5"
     del prompt["4"], prompt["6"]

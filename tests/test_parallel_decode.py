@@ -1,17 +1,18 @@
-"""MGPU VAE Decode without ComfyUI: the devices text, the choice of devices for auto, the work split, and the
-per-device memory the planner gets (mgpu.planning.estimates.vae_parallel_decode_bytes)."""
+"""MGPU VAE Decode without ComfyUI: the devices text, the choice of devices for auto (with and without an MGPU Plan),
+the work split, and the per-device memory the planner gets (mgpu.planning.estimates.vae_parallel_decode_bytes)."""
 
 from __future__ import annotations
 
 import pytest
 
 import ckpt_layouts as L
-from loaders.parallel_decode import labels, parse_devices, pick_auto, round_robin
+from loaders.parallel_decode import labels, parse_devices, pick_auto, planned, round_robin
 from mgpu.errors import MgpuError
 from mgpu.planning.devices import Device
 from mgpu.planning.estimates import (ACTIVATION_SAFETY, CUDA_OVERHEAD_BYTES, GiB, MEASURED_WAN21_TILE_PEAKS, MiB,
                                      Workload, vae_decode_bytes, vae_parallel_decode_bytes, vae_tile_bytes,
                                      weight_bytes)
+from mgpu.planning.partition import Placement, Plan
 from mgpu.planning.sizing import size_component
 
 GPUS = ["cuda:0", "cuda:1", "cuda:2"]
@@ -91,6 +92,43 @@ def test_auto_falls_back_to_the_vae_device_alone():
     assert chosen == ["cpu"] and "no GPU has the 4 GiB" in why
     chosen, why = pick_auto([HOST], need=4 * GiB, home="cpu")
     assert chosen == ["cpu"] and "no GPU" in why
+
+
+# ------------------------------------------------------------------------------------------ auto with a plan
+
+def vae_plan(strategy: str, devices: list[str]) -> Plan:
+    """A plan whose VAE decodes ``strategy`` on ``devices``: 0.25 GiB of weights + 5 GiB working on each."""
+    placed = Placement(role="vae", file="vae.safetensors", family="wan-vae", strategy=strategy, devices=devices,
+                       weight_dtype="bf16", weight_bytes=GiB // 4, resident_bytes=dict.fromkeys(devices, GiB // 4),
+                       working_bytes=dict.fromkeys(devices, 5 * GiB), tiled=strategy == "split")
+    return Plan(placements=[placed], usage=[], devices=[], workload={}, policy={}, reasons=[])
+
+
+def test_auto_with_a_plan_takes_the_plans_split_with_the_vae_device_first():
+    chosen, why = planned(vae_plan("split", ["cuda:0", "cuda:1", "cuda:2"]), GPUS, home="cuda:1")
+    assert chosen == ["cuda:1", "cuda:0", "cuda:2"]
+    assert why == "auto: the MGPU Plan's split over cuda:1, cuda:0, cuda:2 (5.2 GiB each: a VAE copy and one tile " \
+                  "of VAE Decode (Tiled)'s default size)"
+
+
+def test_auto_with_a_plan_that_decodes_on_one_device_keeps_the_vae_device():
+    chosen, why = planned(vae_plan("single", ["cuda:0"]), GPUS, home="cuda:2")
+    assert chosen == ["cuda:2"] and "decodes on one device" in why
+    assert planned(vae_plan("cpu", ["cpu"]), [], home="cpu")[0] == ["cpu"]
+
+
+def test_auto_without_a_planned_vae_is_left_to_free_memory():
+    assert planned(None, GPUS, home="cuda:0") is None
+    no_vae = Plan(placements=[], usage=[], devices=[], workload={}, policy={}, reasons=[])
+    assert planned(no_vae, GPUS, home="cuda:0") is None
+
+
+def test_a_plan_for_other_gpus_is_refused_with_the_way_out():
+    with pytest.raises(MgpuError) as err:
+        planned(vae_plan("split", ["cuda:0", "cuda:3", "cuda:4"]), ["cuda:0", "cuda:1"], home="cuda:0")
+    assert str(err.value).startswith("MGPU VAE Decode: the MGPU Plan splits the decode over cuda:0, cuda:3, cuda:4, "
+                                     "but cuda:3, cuda:4 are not on this machine (it has cuda:0, cuda:1, cpu); make "
+                                     "the plan with devices 'auto' for this machine, or write the devices here")
 
 
 # ------------------------------------------------------------------------------------------------ memory

@@ -14,7 +14,8 @@ from mgpu.planning.devices import parse_spec
 from mgpu.errors import PlanError
 import math
 
-from mgpu.planning.estimates import Workload, dit_working_bytes, fsdp_buffer_bytes
+from mgpu.planning.estimates import (Workload, dit_working_bytes, fsdp_buffer_bytes, vae_decode_bytes,
+                                     vae_parallel_decode_bytes, weight_bytes)
 from mgpu.planning.partition import PHASES, Component, Plan, Policy, keep_gathered, make_plan
 from mgpu.planning.sizing import size_component
 
@@ -82,9 +83,9 @@ def test_two_24gib_gpus_fp8_shard_the_dit_and_split_cfg(wan14b):
     dit = p.placement("dit")
     assert (dit.strategy, dit.devices, dit.batch_per_rank) == ("fsdp", ["cuda:0", "cuda:1"], 1)
     assert dit.weight_bytes < 0.55 * wan14b["dit"].total_bytes
-    # The encoder reuses a GPU before sampling; the VAE decodes untiled next to a shard.
+    # The encoder reuses a GPU before sampling; the VAE's tiles are split over both GPUs beside the shards (below).
     assert p.placement("text_encoder").devices[0].startswith("cuda")
-    assert p.placement("vae").devices[0].startswith("cuda") and not p.placement("vae").tiled
+    assert (p.placement("vae").strategy, p.placement("vae").devices) == ("split", ["cuda:0", "cuda:1"])
     assert_within_budgets(p)
 
 
@@ -198,6 +199,94 @@ def test_cpu_only(wan14b):
         plan(wan14b, "cpu=16GiB")
 
 
+# --- the VAE decode: one GPU, or its tiles split over the GPUs (MGPU VAE Decode) -------------------------------------
+
+def _decode_plan(sizes, spec: str, workload: Workload = HD_81, **policy) -> Plan:
+    """Wan 14B in fp8 and its VAE: the shards take a third of each GPU and their ranks' cached working memory more."""
+    return make_plan([Component("dit", sizes["dit"], "fp8_e4m3fn"), Component("vae", sizes["vae"])],
+                     parse_spec(spec), workload, Policy(**policy))
+
+
+def test_a_long_video_that_no_gpu_decodes_beside_the_shards_is_split_over_them(wan14b):
+    """720p, 81 frames on 2 x 24 GiB: at decode time each GPU still holds its DiT shard and the working memory its
+    rank's allocator keeps after sampling, 6 GiB left of 23.5; the untiled decode needs 13.6 GiB on one GPU, a
+    split decode 5.3 GiB on each (a VAE copy, one tile, a CUDA context)."""
+    p = _decode_plan(wan14b, "2x24GiB,cpu=64GiB")
+    dit, vae = p.placement("dit"), p.placement("vae")
+    assert (vae.strategy, vae.devices, vae.tiled) == ("split", ["cuda:0", "cuda:1"], True)
+    each = vae_parallel_decode_bytes(wan14b["vae"], HD_81)
+    untiled = weight_bytes(wan14b["vae"], None) + vae_decode_bytes(wan14b["vae"], HD_81, tiled=False)
+    for use in p.usage[:2]:
+        dev = use.device
+        assert vae.resident_bytes[dev] == weight_bytes(wan14b["vae"], None)
+        assert vae.resident_bytes[dev] + vae.working_bytes[dev] == each
+        held = dit.resident_bytes[dev] + dit.working_bytes[dev]   # shard + what the rank keeps cached
+        assert use.by_phase["decode"] == held + each <= use.budget_bytes
+        assert held + untiled > use.budget_bytes   # the one-GPU decode does not fit beside them
+    text = p.table()
+    assert ("vae: split on cuda:0, cuda:1 (wan-vae, bf16, 242 MiB)\n"
+            "  - untiled on one GPU needs 13.6 GiB (242 MiB weights + 13.4 GiB working, the whole video at once); "
+            "free at decode: cuda:0 6 GiB (beside DiT shard 6.9 GiB + DiT working its ranks keep cached 10.7 GiB), "
+            "cuda:1 6 GiB (beside DiT shard 6.9 GiB + DiT working its ranks keep cached 10.7 GiB)\n"
+            "  - decoded in tiles split over 2 GPUs by MGPU VAE Decode (devices auto, this plan connected): 5.3 GiB "
+            "on each GPU (242 MiB VAE copy + 4 GiB one tile of 512 px x 64 frames + 1 GiB CUDA context), whatever "
+            "the video's length\n"
+            "  - cuda:0 loads the VAE (MGPU Load VAE on auto) and decodes with it, cuda:1 with a copy") in text
+    assert "VAE (split decode)" in p.usage[0].holds
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_a_split_decode_starts_on_the_gpu_with_most_room_and_leaves_out_those_without(wan14b):
+    """The shards take the two 24 GiB GPUs; the idle 12 GiB one has the most room at decode, so the VAE loads
+    there; a 4 GiB one has no room for a copy and a tile."""
+    p = _decode_plan(wan14b, "cuda:0=24GiB,cuda:1=24GiB,cuda:2=12GiB,cuda:3=4GiB,cpu=64GiB")
+    assert p.placement("dit").devices == ["cuda:0", "cuda:1"]
+    vae = p.placement("vae")
+    assert (vae.strategy, vae.devices) == ("split", ["cuda:2", "cuda:0", "cuda:1"])
+    assert "left out: cuda:3 (3.5 GiB free at decode)" in vae.reasons
+    assert "cuda:3" not in vae.resident_bytes
+    assert_within_budgets(p)
+
+
+@pytest.mark.parametrize("speed", [False, True])
+def test_a_short_video_decodes_on_one_gpu(wan14b, speed):
+    """480p, 33 frames: the untiled decode (6.8 GiB) fits one GPU, beside a shard and its ranks' cached working
+    memory too (when asked for speed the DiT shards over both GPUs)."""
+    short = Workload(832, 480, 33, 1, True)
+    p = _decode_plan(wan14b, "2x24GiB,cpu=64GiB", short, prefer_speed=speed)
+    vae = p.placement("vae")
+    assert (vae.strategy, len(vae.devices), vae.tiled) == ("single", 1, False)
+    assert vae.working_bytes[vae.devices[0]] == vae_decode_bytes(wan14b["vae"], short, tiled=False)
+    assert not any("MGPU VAE Decode" in r for r in vae.reasons)
+    if speed:
+        dit = p.placement("dit")
+        assert dit.strategy == "fsdp" and vae.devices[0] in dit.devices
+        use = p.usage[0]
+        assert use.by_phase["decode"] == (dit.resident_bytes["cuda:0"] + dit.working_bytes["cuda:0"]
+                                          + vae.resident_bytes["cuda:0"] + vae.working_bytes["cuda:0"])
+    assert_within_budgets(p)
+
+
+def test_a_decode_that_fits_nowhere_names_each_device_and_its_bytes(wan14b):
+    """2 x 22 GiB: 4 GiB left per GPU at decode, under the 5.3 GiB a split decode needs on each; 8 GiB of host RAM
+    (4 GiB budget) cannot decode it either."""
+    with pytest.raises(PlanError) as info:
+        _decode_plan(wan14b, "2x22GiB,cpu=8GiB")
+    msg = str(info.value)
+    assert msg.startswith("cannot place the vae (")
+    beside = "(beside DiT shard 6.9 GiB + DiT working its ranks keep cached 10.7 GiB)"
+    assert (f"VAE untiled on one GPU needs 13.6 GiB (242 MiB weights + 13.4 GiB working, the whole video at once); "
+            f"free at decode: cuda:0 4 GiB {beside}, cuda:1 4 GiB {beside}") in msg
+    assert ("VAE split over GPUs by MGPU VAE Decode needs 5.3 GiB on each GPU (242 MiB VAE copy + 4 GiB one tile of "
+            "512 px x 64 frames + 1 GiB CUDA context) on at least 2 GPUs; no GPU has that room") in msg
+    assert "VAE on the CPU needs 5.1 GiB of host RAM (tiled); budget left is 4 GiB" in msg
+    assert "ways out: use more GPUs; give the host more free RAM" in msg and "offload" not in msg
+    assert {n["device"] for n in info.value.needs} == {"cuda:0", "cuda:1", "cpu"}
+    # with host RAM to spare it decodes there, and says why no GPU does
+    vae = _decode_plan(wan14b, "2x22GiB,cpu=64GiB").placement("vae")
+    assert vae.strategy == "cpu" and "no GPU has room left: decodes on the CPU (slow)" in vae.reasons
+
+
 def test_speed_shards_over_all_gpus_even_when_one_would_do(wan14b):
     assert strategies(plan(wan14b, "4x80GiB:nvlink,cpu=64GiB"))["dit"] == ("single", ["cuda:0"])
     p = plan(wan14b, "4x80GiB:nvlink,cpu=64GiB", prefer_speed=True)
@@ -250,11 +339,14 @@ def _recomputed_usage(p: Plan) -> dict[str, dict[str, int]]:
         else:
             resident = ("decode",)
         run = {"text_encoder": "encode", "dit": "sample", "vae": "decode"}[pl.role]
+        # an FSDP DiT's ranks keep their working memory cached after sampling, through the decode
+        working = ("sample", "decode") if pl.role == "dit" and pl.strategy == "fsdp" else (run,)
         for dev, b in pl.resident_bytes.items():
             for ph in resident:
                 use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b
         for dev, b in pl.working_bytes.items():
-            use.setdefault(dev, dict.fromkeys(PHASES, 0))[run] += b
+            for ph in working:
+                use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b
     return use
 
 

@@ -110,14 +110,31 @@ def test_auto_follows_the_plan(wan14b):
     plan = make(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
     dit = resolve("auto", "dit", plan, TWO)
     assert (dit.strategy, dit.devices, dit.weight_dtype) == ("fsdp", ["cuda:0", "cuda:1"], "fp8_e4m3fn")
-    for role in ("text_encoder", "vae"):
-        got, placed = resolve("auto", role, plan, TWO), plan.placement(role)
-        assert (got.strategy, got.devices, got.weight_dtype) == (placed.strategy, placed.devices, None)
-        assert "following the plan" in got.reason
+    got, placed = resolve("auto", "text_encoder", plan, TWO), plan.placement("text_encoder")
+    assert (got.strategy, got.devices, got.weight_dtype) == (placed.strategy, placed.devices, None)
+    assert "following the plan" in got.reason
     # a plan without the role (no VAE planned) falls back to free memory
     partial = make_plan([Component("dit", wan14b["dit"], "fp8_e4m3fn")], parse_spec("2x24GiB,cpu=64GiB"),
                         Workload(1280, 720, 81, 1, True))
     assert resolve("auto", "vae", partial, with_free(TWO, cuda1=30)).devices == ["cuda:1"]
+
+
+def test_a_vae_whose_decode_the_plan_splits_loads_on_the_first_of_its_gpus(wan14b):
+    """720p beside two fp8 shards: the plan splits the decode over both GPUs (MGPU VAE Decode copies the VAE to the
+    others), and MGPU Load VAE on auto loads it on the first; one device, as ComfyUI's VAE takes."""
+    plan = make(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    assert (plan.placement("vae").strategy, plan.placement("vae").devices) == ("split", ["cuda:0", "cuda:1"])
+    got = resolve("auto", "vae", plan, TWO)
+    assert (got.strategy, got.devices, got.weight_dtype) == ("single", ["cuda:0"], None)
+    assert got.reason == ("auto: following the plan (the VAE on cuda:0; MGPU VAE Decode splits its decode over "
+                          "cuda:0, cuda:1)")
+    with pytest.raises(MgpuError, match=r"^MGPU Load VAE: device cuda:0 does not exist \(the MGPU Plan loads the VAE "
+                                        r"there: make the plan with devices 'auto'"):
+        resolve("auto", "vae", plan, CPU_ONLY)
+    one = make(wan14b, "1x80GiB,cpu=64GiB")   # an untiled decode on one GPU: the plan's one device, as it says
+    got = resolve("auto", "vae", one, parse_spec("1x80GiB,cpu=64GiB"))
+    assert (one.placement("vae").strategy, got.strategy, got.devices) == ("single", "single", ["cuda:0"])
+    assert "following the plan (single on cuda:0)" in got.reason
 
 
 def test_auto_keeps_stored_dtype_when_the_plan_does_not_recast(wan14b):

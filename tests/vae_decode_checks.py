@@ -92,10 +92,10 @@ def stock(vae, samples: dict) -> torch.Tensor:
     return nodes.VAEDecodeTiled().decode(vae, samples, *TILES.values())[0]
 
 
-def mgpu(vae, samples: dict, devices: str) -> torch.Tensor:
+def mgpu(vae, samples: dict, devices: str, plan=None) -> torch.Tensor:
     from loaders import parallel_decode
 
-    return parallel_decode.decode(vae, samples, devices, parallel_decode.TileSettings(**TILES))
+    return parallel_decode.decode(vae, samples, devices, parallel_decode.TileSettings(**TILES), plan=plan)
 
 
 def split(vae, seen: list[dict]) -> dict:
@@ -213,3 +213,41 @@ def check_failures(_folder: str) -> dict:
             facts[f"{name}_decoded"] = len(calls.take())
     facts["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("mgpu-vae")]
     return facts
+
+
+def vae_plan(strategy: str, devices: list[str]):
+    """An MGPU Plan whose VAE decodes ``strategy`` on ``devices`` (the planner splits over GPUs only; cpu entries
+    stand in for them here)."""
+    from mgpu.planning.partition import Placement, Plan
+
+    placed = Placement(role="vae", file="vae.safetensors", family="wan-vae", strategy=strategy, devices=devices,
+                       weight_dtype="bf16", weight_bytes=1, resident_bytes=dict.fromkeys(devices, 1),
+                       working_bytes=dict.fromkeys(devices, 1), tiled=strategy == "split")
+    return Plan(placements=[placed], usage=[], devices=[], workload={}, policy={}, reasons=[])
+
+
+def check_plan(_folder: str) -> dict:
+    """devices auto with an MGPU Plan connected: a plan that splits the decode over two devices decodes on two
+    networks, one that decodes on one device on the VAE's own network; a plan for GPUs this machine lacks fails
+    before anything is decoded."""
+    from mgpu.errors import MgpuError
+
+    vae = image_vae()
+    calls = Calls(type(vae.first_stage_model))
+    samples = latent(1, 4, 24, 40)
+    with torch.inference_mode():
+        ref = stock(vae, samples)
+        calls.take()
+        two = mgpu(vae, samples, "auto", vae_plan("split", ["cpu", "cpu"]))
+        two_calls = calls.take()
+        one = mgpu(vae, samples, "auto", vae_plan("cpu", ["cpu"]))
+        one_calls = calls.take()
+        try:
+            mgpu(vae, samples, "auto", vae_plan("split", ["cuda:0", "cuda:1"]))
+            missing = None
+        except MgpuError as exc:
+            missing = str(exc)
+        missing_decoded = len(calls.take())
+    return {"max_diff_split": _diff(two, ref), "max_diff_one": _diff(one, ref),
+            "split": split(vae, two_calls), "one": split(vae, one_calls), "missing": missing,
+            "missing_decoded": missing_decoded}

@@ -9,7 +9,13 @@ Memory model (every number is an estimate from `mgpu.planning.estimates`, and th
   FSDP DiT ComfyUI cannot see the ranks' memory, so its loader unloads ComfyUI's models from the ranks' GPUs when
   sampling starts (``loaders.diffusion.ShardedModelPatcher``).
 * An FSDP-sharded DiT lives in the rank processes for as long as the pool holds it, so its shard is resident in
-  every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank.
+  every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank. Its working memory stays
+  too once sampling is done: each rank's caching allocator keeps what the steps used (nothing empties it after a
+  step), and no other process can use it, so it still counts in the decode phase (``phases_working``).
+* The VAE decodes on one GPU when the whole decode fits beside what that GPU holds at decode time (a short video);
+  else its tiles are split over every GPU with room for a VAE copy and one tile (MGPU VAE Decode,
+  ``estimates.vae_parallel_decode_bytes``: the same per GPU whatever the video's length); else tiled on one GPU;
+  else on the host.
 * A device's budget is its free memory minus ``Policy.reserve_bytes`` (other processes, allocator growth); the
   host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a budget.
 * Working memory follows the budget rule of ``mgpu.planning.estimates``: where ComfyUI runs a component (single-device DiT,
@@ -27,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from mgpu.planning.devices import Device, format_bytes
 from mgpu.errors import PlanError
 from mgpu.planning.estimates import (
+    CUDA_OVERHEAD_BYTES,
     GiB,
     Workload,
     dit_tokens,
@@ -35,6 +42,7 @@ from mgpu.planning.estimates import (
     gathered_size,
     text_encoder_working_bytes,
     vae_decode_bytes,
+    vae_parallel_decode_bytes,
     weight_bytes,
     weight_itemsize,
 )
@@ -83,7 +91,9 @@ class Placement:
     role: str
     file: str
     family: str
-    strategy: str  # "single" | "fsdp" | "offload" | "cpu" | "split" (text encoder: its layers over several GPUs)
+    # "single" | "fsdp" | "offload" | "cpu" | "split": a text encoder's layers over several GPUs, or a VAE's decode
+    # tiles over several GPUs (MGPU VAE Decode; the VAE loads on devices[0], the others decode with a copy)
+    strategy: str
     devices: list[str]
     weight_dtype: str
     weight_bytes: int
@@ -209,13 +219,21 @@ def phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]
     return ("decode",)
 
 
-def _need(role: str, strategy: str, policy: Policy, resident: dict[str, int], working: dict[str, int]) -> dict:
-    phases = phases_resident(role, strategy, policy)
+def phases_working(role: str, strategy: str) -> tuple[str, ...]:
+    """The phases in which a component's working memory occupies its devices: the one it runs in; for an FSDP DiT
+    also the later ones, as its ranks' caching allocator keeps what sampling used and only the ranks can reuse it."""
     run = _PHASE_OF[role]
+    if role in EXPERT_ROLES and strategy == "fsdp":
+        return PHASES[PHASES.index(run):]
+    return (run,)
+
+
+def _need(role: str, strategy: str, policy: Policy, resident: dict[str, int], working: dict[str, int]) -> dict:
     need: dict[str, dict[str, int]] = {}
     for dev in set(resident) | set(working):
-        need[dev] = {ph: resident.get(dev, 0) for ph in phases}
-        need[dev][run] = need[dev].get(run, 0) + working.get(dev, 0)
+        need[dev] = {ph: resident.get(dev, 0) for ph in phases_resident(role, strategy, policy)}
+        for ph in phases_working(role, strategy):
+            need[dev][ph] = need[dev].get(ph, 0) + working.get(dev, 0)
     return need
 
 
@@ -523,42 +541,137 @@ def _dit_on_host(experts: list[Component], mode: str | None, gpus: list[Device],
     return None
 
 
-def _place_simple(comp: Component, candidates: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
-                  attempts: list[str]) -> Placement | None:
-    """Text encoder or VAE on one device: the first candidate with room (VAE: untiled, else tiled)."""
+def _single(comp: Component, d: Device, working: int, tiled: bool, policy: Policy, ledger: _Ledger,
+            reasons: list[str]) -> Placement | None:
+    """``comp`` on ``d`` alone with ``working`` bytes beside its weights: committed and returned if it fits."""
     size = comp.size
     wbytes = weight_bytes(size, comp.weight_dtype)
-    label = "text encoder" if comp.role == "text_encoder" else "VAE"
-    options: list[tuple[int, bool]]
-    if comp.role == "text_encoder":
-        options = [(text_encoder_working_bytes(size, tokens=policy.text_encoder_tokens,
-                                               batch=2 if wl.cfg else 1), False)]
-    else:
-        options = [(vae_decode_bytes(size, wl, tiled=False), False), (vae_decode_bytes(size, wl, tiled=True), True)]
-    # GPUs before the host; on GPUs, untiled anywhere before tiled anywhere.
-    gpus = [d for d in candidates if d.kind != "cpu"]
-    hosts = [d for d in candidates if d.kind == "cpu"]
-    tiers = [(gpus, o) for o in options] + [(hosts, o) for o in options]
-    for devices, (working, tiled) in tiers:
-        for d in devices:
-            strategy = "cpu" if d.kind == "cpu" else "single"
-            need = _need(comp.role, strategy, policy, {d.id: wbytes}, {d.id: working})
-            if not ledger.fits(need):
-                continue
-            ledger.commit(need, label + (" (tiled)" if tiled else ""))
-            reasons = [f"{format_bytes(wbytes)} weights + {format_bytes(working)} working fit on {d.id}"]
-            if comp.role == "text_encoder" and policy.free_text_encoder_before_sampling and d.kind != "cpu":
-                reasons.append("freed before sampling, so its memory is reused by the DiT")
-            if tiled:
-                reasons.append("untiled decode does not fit: decode in tiles")
-            if d.kind == "cpu":
-                reasons.append(f"no GPU has room left: runs on the CPU ({'once per prompt' if comp.role == 'text_encoder' else 'slow'})")
-            return Placement(role=comp.role, file=size.path, family=size.family, strategy=strategy, devices=[d.id],
-                             weight_dtype=_dtype_name(size, comp.weight_dtype), weight_bytes=wbytes,
-                             resident_bytes={d.id: wbytes}, working_bytes={d.id: working}, tiled=tiled,
-                             reasons=reasons)
-    attempts.append(f"{label} needs {format_bytes(wbytes + options[-1][0])} on one device; largest budget left is "
+    strategy = "cpu" if d.kind == "cpu" else "single"
+    need = _need(comp.role, strategy, policy, {d.id: wbytes}, {d.id: working})
+    if not ledger.fits(need):
+        return None
+    ledger.commit(need, ("text encoder" if comp.role == "text_encoder" else "VAE") + (" (tiled)" if tiled else ""))
+    return Placement(role=comp.role, file=size.path, family=size.family, strategy=strategy, devices=[d.id],
+                     weight_dtype=_dtype_name(size, comp.weight_dtype), weight_bytes=wbytes,
+                     resident_bytes={d.id: wbytes}, working_bytes={d.id: working}, tiled=tiled,
+                     reasons=[f"{format_bytes(wbytes)} weights + {format_bytes(working)} working fit on {d.id}",
+                              *reasons])
+
+
+def _place_simple(comp: Component, candidates: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
+                  attempts: list[str]) -> Placement | None:
+    """A text encoder on one device: the first candidate with room, GPUs before the host."""
+    wbytes = weight_bytes(comp.size, comp.weight_dtype)
+    working = text_encoder_working_bytes(comp.size, tokens=policy.text_encoder_tokens, batch=2 if wl.cfg else 1)
+    for d in sorted(candidates, key=lambda d: d.kind == "cpu"):
+        reasons = (["no GPU has room left: runs on the CPU (once per prompt)"] if d.kind == "cpu"
+                   else ["freed before sampling, so its memory is reused by the DiT"]
+                   if policy.free_text_encoder_before_sampling else [])
+        if placed := _single(comp, d, working, False, policy, ledger, reasons):
+            return placed
+    attempts.append(f"text encoder needs {format_bytes(wbytes + working)} on one device; largest budget left is "
                     f"{format_bytes(max((ledger.free(d.id) for d in candidates), default=0))}")
+    return None
+
+
+def _decode_room(dev: str, ledger: _Ledger) -> int:
+    """Bytes ``dev`` has while the VAE decodes: its budget less what the decode phase already holds there."""
+    return ledger.budget[dev] - ledger.used[dev]["decode"]
+
+
+def _held_at_decode(dev: str, placements: list[Placement], policy: Policy) -> list[str]:
+    """What takes ``dev``'s memory while the VAE decodes, as the ledger counts it: the weights resident then (of two
+    experts one at a time, the larger) and an FSDP DiT's working memory, which its ranks keep cached."""
+    dits = [p for p in placements if p.role in EXPERT_ROLES]
+    weights = [p.resident_bytes.get(dev, 0) for p in dits if "decode" in phases_resident(p.role, p.strategy, policy)]
+    held = max(weights, default=0) if dits and dits[0].experts == ONE_AT_A_TIME else sum(weights)
+    cached = max((p.working_bytes.get(dev, 0) for p in dits if "decode" in phases_working(p.role, p.strategy)),
+                 default=0)
+    parts = [f"DiT {'shard' if dits[0].strategy == 'fsdp' else 'weights'} {format_bytes(held)}"] if held else []
+    parts += [f"DiT working its ranks keep cached {format_bytes(cached)}"] if cached else []
+    parts += [f"text encoder {format_bytes(p.resident_bytes[dev])}" for p in placements
+              if p.role == "text_encoder" and dev in p.resident_bytes
+              and "decode" in phases_resident(p.role, p.strategy, policy)]
+    return parts
+
+
+def _rooms(devices: list[Device], ledger: _Ledger, placements: list[Placement], policy: Policy) -> str:
+    """ "cuda:0 6 GiB (beside DiT shard 6.9 GiB + ...)": each device's room at decode and what holds the rest."""
+    out = []
+    for d in devices:
+        held = _held_at_decode(d.id, placements, policy)
+        out.append(f"{d.id} {format_bytes(max(0, _decode_room(d.id, ledger)))}"
+                   + (f" (beside {' + '.join(held)})" if held else ""))
+    return ", ".join(out)
+
+
+def _split_vae(comp: Component, by_room: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
+               tried: list[str]) -> Placement | None:
+    """The VAE's decode tiles split over every GPU with room for a VAE copy and one tile at decode time (MGPU VAE
+    Decode), at least two: the one with the most room first (the VAE loads there), the others in order. The need
+    per GPU does not grow with the video, so a long video that no one GPU decodes whole still fits."""
+    size = comp.size
+    wbytes = weight_bytes(size, comp.weight_dtype)
+    each = vae_parallel_decode_bytes(size, wl, weight_dtype=comp.weight_dtype)
+    what = (f"{format_bytes(each)} on each GPU ({format_bytes(wbytes)} VAE copy + "
+            f"{format_bytes(each - wbytes - CUDA_OVERHEAD_BYTES)} one tile of 512 px x 64 frames + "
+            f"{format_bytes(CUDA_OVERHEAD_BYTES)} CUDA context)")
+    fit = [d for d in by_room if _decode_room(d.id, ledger) >= each]
+    if len(fit) < 2:
+        tried.append(f"split over GPUs by MGPU VAE Decode needs {what} on at least 2 GPUs; "
+                     + (f"only {fit[0].id} has that room" if fit else "no GPU has that room"))
+        return None
+    group = [fit[0], *sorted(fit[1:], key=lambda d: d.index)]
+    need = _need("vae", "split", policy, {d.id: wbytes for d in group}, {d.id: each - wbytes for d in group})
+    if not ledger.fits(need):
+        return None
+    ledger.commit(need, "VAE (split decode)")
+    reasons = [*tried,
+               f"decoded in tiles split over {len(group)} GPUs by MGPU VAE Decode (devices auto, this plan "
+               f"connected): {what}, whatever the video's length",
+               f"{group[0].id} loads the VAE (MGPU Load VAE on auto) and decodes with it, "
+               f"{', '.join(d.id for d in group[1:])} with a copy; VAE Decode would need the whole decode on one "
+               "GPU"]
+    if left := [d for d in by_room if d not in fit]:
+        reasons.append("left out: " + ", ".join(f"{d.id} ({format_bytes(max(0, _decode_room(d.id, ledger)))} free "
+                                                 "at decode)" for d in left))
+    return Placement(role="vae", file=size.path, family=size.family, strategy="split", devices=[d.id for d in group],
+                     weight_dtype=_dtype_name(size, comp.weight_dtype), weight_bytes=wbytes,
+                     resident_bytes={d.id: wbytes for d in group}, working_bytes={d.id: each - wbytes for d in group},
+                     tiled=True, reasons=reasons)
+
+
+def _place_vae(comp: Component, gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
+               ledger: _Ledger, placements: list[Placement], attempts: list[str]) -> Placement | None:
+    """The VAE against each device's room at decode time (beside what the plan keeps there then): untiled on one GPU
+    (a short video), else split over the GPUs (``_split_vae``), else tiled on one GPU, else the host."""
+    size = comp.size
+    wbytes = weight_bytes(size, comp.weight_dtype)
+    untiled, tiled = vae_decode_bytes(size, wl, tiled=False), vae_decode_bytes(size, wl, tiled=True)
+    by_room = sorted(gpus, key=lambda d: (-_decode_room(d.id, ledger), d.index))
+    for d in by_room:
+        if placed := _single(comp, d, untiled, False, policy, ledger, []):
+            return placed
+    tried: list[str] = []
+    if by_room:
+        tried.append(f"untiled on one GPU needs {format_bytes(wbytes + untiled)} ({format_bytes(wbytes)} weights + "
+                     f"{format_bytes(untiled)} working, the whole video at once); free at decode: "
+                     f"{_rooms(by_room, ledger, placements, policy)}")
+        if placed := _split_vae(comp, by_room, wl, policy, ledger, tried):
+            return placed
+        for d in by_room:
+            if placed := _single(comp, d, tiled, True, policy, ledger, [*tried, "decode in tiles on it"]):
+                return placed
+        tried.append(f"tiled on one GPU needs {format_bytes(wbytes + tiled)}")
+    if host is not None:
+        why = [*tried, "no GPU has room left: decodes on the CPU (slow)"] if by_room else ["no GPU: decodes on the CPU"]
+        for working, is_tiled in ((untiled, False), (tiled, True)):
+            if placed := _single(comp, host, working, is_tiled, policy, ledger,
+                                 why + (["decode in tiles"] if is_tiled else [])):
+                return placed
+        tried.append(f"on the CPU needs {format_bytes(wbytes + tiled)} of host RAM (tiled); budget left is "
+                     f"{format_bytes(_decode_room(host.id, ledger))}")
+    attempts.extend(f"VAE {t}" for t in tried)
     return None
 
 
@@ -650,13 +763,16 @@ def _place_text_encoder(comp: Component, gpus: list[Device], host: Device | None
             or (_place_simple(comp, [host], wl, policy, ledger, attempts) if host else None))
 
 
-def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, wl: Workload) -> list[str]:
+def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, wl: Workload,
+              role: str = "dit") -> list[str]:
     ways = []
     dit = next((c for c in components if c.role == "dit"), None)
     if dit is not None and (dit.weight_dtype or "").lower() not in ("fp8_e4m3fn", "fp8_e5m2"):
         ways.append("load the DiT in fp8 (weight dtype fp8_e4m3fn) to halve its weights")
     ways.append("use more GPUs" if gpus else "use a machine with a GPU")
-    if not policy.allow_offload:
+    if role == "vae":   # the VAE's last resort is the host, not DiT offload
+        ways.append("give the host more free RAM (the VAE then decodes on the CPU, slowly)")
+    elif not policy.allow_offload:
         ways.append("allow CPU offload (slow: weights stream from host RAM every step)")
     ways.append(f"generate fewer frames or a smaller size than {wl.frames} x {wl.width}x{wl.height}")
     return ways
@@ -676,7 +792,7 @@ def _plan_error(role: str, components: list[Component], devices: list[Device], w
     lines += [f"  - {a}" for a in attempts]
     lines += [f"  - {n['device']}: budget {format_bytes(n['budget_bytes'])}, already committed "
               f"{format_bytes(n['committed_bytes'])}" for n in needs]
-    lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload)))
+    lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload, role)))
     return PlanError("\n".join(lines), needs=needs)
 
 
@@ -724,9 +840,7 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
         elif role == "text_encoder":
             placed = _place_text_encoder(comp, gpus, host, workload, policy, ledger, attempts)
         else:
-            # GPUs with the most room left first, then the host.
-            order = sorted(gpus, key=lambda d: (-ledger.free(d.id), d.index)) + ([host] if host else [])
-            placed = _place_simple(comp, order, workload, policy, ledger, attempts)
+            placed = _place_vae(comp, gpus, host, workload, policy, ledger, placements, attempts)
         if placed is None:
             raise _plan_error(role, components, devices, workload, policy, gpus, ledger, attempts)
         placements.extend(placed if isinstance(placed, list) else [placed])
