@@ -35,6 +35,19 @@ def test_ltxv_splits_its_tokens_over_its_32_heads():
         (1, 4), (2, 2)]
 
 
+def test_ltx2_splits_its_video_tokens_and_prices_the_audio_queries_gather():
+    """LTX-2's audio queries attend to every video token: each layer all-gathers the video keys and values at the
+    audio width, on top of the video self-attention's all-to-alls."""
+    assert (parallel.choose(2, 1, 32, "ltx2-av").cfg, parallel.choose(2, 1, 32, "ltx2-av").sp) == (1, 2)
+    group = [g.__class__(**{**g.__dict__, "capability": (8, 9)}) for g in parse_spec("2x24GiB:p2p")]
+    ltx2 = dict(params=19_000_000_000, weight_bytes=19_000_000_000, hidden=4096, layers=48, tokens=14_400, rows=1,
+                resharding=False)
+    video_only = parallel.estimate(parallel.choose(2, 1, 32, "ltx2-av"), group, **ltx2)
+    with_audio = parallel.estimate(parallel.choose(2, 1, 32, "ltx2-av"), group, kv_gather_width=2048, **ltx2)
+    moved = lambda d: d.step_seconds - d.single_seconds / 2   # no resharding: the rest is the exchanges
+    assert moved(with_audio) == pytest.approx(1.5 * moved(video_only))   # 2 x width/2 x 2 ranks over 4 all-to-alls
+
+
 def test_families_without_an_adapter_and_sp_off_use_the_batch_split():
     d = parallel.choose(4, 1, 24, "hunyuan-video")
     assert (d.cfg, d.sp) == (4, 1) and "hunyuan-video has no sequence-parallel adapter" in " ".join(d.reasons)

@@ -655,13 +655,14 @@ def test_ltx2_fp8_samples_on_one_gpu_after_gemma_encodes_split_over_both(ltx2):
     assert_within_budgets(p)
 
 
-def test_ltx2_fp8_for_speed_shards_over_both_and_splits_cfg_not_tokens(ltx2):
-    """Asked for speed, the DiT shards over both GPUs, one CFG row each. LTX-2 is its own family: LTX-Video's
-    sequence-parallel adapter does not fit its two streams, so a cfg-1 (distilled) run splits nothing."""
+def test_ltx2_fp8_for_speed_shards_over_both_and_splits_cfg_or_its_video_tokens(ltx2):
+    """Asked for speed, the DiT shards over both GPUs, one CFG row each; a cfg-1 (distilled) run splits the video
+    tokens instead (LTX-2's own adapter, mgpu.families.ltxav), its audio queries' key/value gather priced in."""
     p = ltx2_plan(ltx2, "fp8", prefer_speed=True)
     dit = p.placement("dit")
     assert (dit.strategy, dit.devices, dit.cfg_degree, dit.sp_degree) == ("fsdp", ["cuda:0", "cuda:1"], 2, 1)
     assert_within_budgets(p)
     distilled = ltx2_plan(ltx2, "fp8", workload=Workload(1280, 720, 121, 1, cfg=False), prefer_speed=True)
-    assert distilled.placement("dit").sp_degree == 1
-    assert any("no sequence-parallel adapter" in r for r in distilled.placement("dit").reasons)
+    assert (distilled.placement("dit").cfg_degree, distilled.placement("dit").sp_degree) == (1, 2)
+    assert any("Ulysses sequence parallel over 2 ranks" in r for r in distilled.placement("dit").reasons)
+    assert_within_budgets(distilled)

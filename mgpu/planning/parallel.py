@@ -24,7 +24,7 @@ from mgpu.planning.devices import Device
 
 # Families with a sequence-parallel adapter (mgpu/families): the family names mgpu.planning.sizing gives, by prefix,
 # except the Wan variants whose network has none (mgpu.families.wan: S2V, HuMo, Animate group tokens by frame).
-SP_FAMILIES = ("wan", "ltxv")
+SP_FAMILIES = ("wan", "ltxv", "ltx2")
 NO_SP_VARIANTS = ("-s2v", "-humo", "-animate")
 # Effective bytes/s a rank moves per direction in a collective over the group's slowest link (NVLink4 ~450 GB/s
 # peak, PCIe4 x16 ~32 GB/s peak with P2P, about half of that through host memory without it).
@@ -114,8 +114,11 @@ def step_flops(params: int, tokens: int, rows: int, hidden: int, layers: int) ->
 
 
 def estimate(degrees: Degrees, group: list[Device], *, params: int, weight_bytes: int, tokens: int, rows: int,
-             hidden: int, layers: int, act_bytes: int = 2, resharding: bool = True) -> Degrees:
-    """Fill the step-time estimates of ``degrees`` on ``group`` and warn when N GPUs are likely slower than one."""
+             hidden: int, layers: int, act_bytes: int = 2, resharding: bool = True,
+             kv_gather_width: int = 0) -> Degrees:
+    """Fill the step-time estimates of ``degrees`` on ``group`` and warn when N GPUs are likely slower than one.
+    ``kv_gather_width``: a stream that attends to every token of a split one all-gathers their keys and values in
+    each layer, at this width (LTX-2's audio queries on the video tokens: its audio width)."""
     link = group_link(group)
     if link is None or not group:
         return degrees
@@ -127,7 +130,8 @@ def estimate(degrees: Degrees, group: list[Device], *, params: int, weight_bytes
     local_rows = math.ceil(rows / degrees.cfg)
     a2a = (ALL_TO_ALLS_PER_LAYER * layers * local_rows * math.ceil(tokens / degrees.sp) * hidden * act_bytes
            * (degrees.sp - 1) / degrees.sp)
-    moved = gather + a2a
+    kv = 2 * layers * local_rows * tokens * kv_gather_width * act_bytes * (degrees.sp - 1) / degrees.sp
+    moved = gather + a2a + kv
     degrees.step_seconds = compute + moved / LINK_BYTES_PER_S[link]
     degrees.single_seconds = flops / speed
     ratio = degrees.single_seconds / degrees.step_seconds

@@ -442,7 +442,8 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         if size.dims.get("hidden") and size.dims.get("layers"):
             parallel.estimate(degrees, group, params=size.params, weight_bytes=wbytes[0],
                               tokens=dit_tokens(size, wl), rows=wl.dit_batch, hidden=size.dims["hidden"],
-                              layers=size.dims["layers"], resharding=reshard)
+                              layers=size.dims["layers"], resharding=reshard,
+                              kv_gather_width=size.dims.get("audio_hidden", 0))   # LTX-2's audio queries
         n = len(group)
         whose = "each expert's" if mode else "the"
         reasons = [why, f"each rank holds 1/{n} of {whose} weights "
