@@ -100,11 +100,44 @@ def test_the_wan_example_is_the_multi_gpu_text_to_video():
     _, api = load("wan21_t2v_multi_gpu")
     types = [n["class_type"] for n in api.values()]
     for t in ("MgpuPlan", "MgpuLoadDiffusionModel", "MgpuLoadTextEncoder", "MgpuLoadVAE", "CLIPTextEncode",
-              "MgpuFSDPSampler", "VAEDecode", "SaveVideo"):
+              "MgpuFSDPSampler", "MgpuVAEDecode", "SaveVideo"):
         assert t in types
     plan_id = next(i for i, n in api.items() if n["class_type"] == "MgpuPlan")
     loaders = [n for n in api.values() if n["class_type"].startswith("MgpuLoad")]
     assert all(n["inputs"]["plan"] == [plan_id, 0] and n["inputs"]["device"] == "auto" for n in loaders)
+
+
+STOCK_DECODES = {"VAEDecode", "VAEDecodeTiled"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_video_is_decoded_by_mgpu_vae_decode_following_the_plan(name):
+    """Every example (all are multi-GPU) decodes its video where its MGPU Plan planned the decode: MGPU VAE Decode
+    with devices auto and the plan connected, on the VAE that MGPU Load VAE loads by the same plan; no stock VAE
+    Decode is left. LTX-2's audio keeps LTXVAudioVAEDecode (its own audio VAE, which the plan does not place)."""
+    _, api = load(name)
+    (plan_id,) = [i for i, n in api.items() if n["class_type"] == "MgpuPlan"]
+    assert not STOCK_DECODES & {n["class_type"] for n in api.values()}
+    (video,) = [n["inputs"] for n in api.values() if n["class_type"] == "CreateVideo"]
+    decode = api[video["images"][0]]
+    assert decode["class_type"] == "MgpuVAEDecode"
+    assert decode["inputs"]["plan"] == [plan_id, 0] and decode["inputs"]["devices"] == "auto"
+    vae = api[decode["inputs"]["vae"][0]]
+    assert vae["class_type"] == "MgpuLoadVAE" and vae["inputs"]["plan"] == [plan_id, 0]
+
+
+TITLE_HEIGHT = 30   # LiteGraph.NODE_TITLE_HEIGHT: a node's title bar lies above its pos
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_node_covers_another_on_the_canvas(name):
+    """The frontends draw each node at its saved pos and size (the title bar above it): none may hide another."""
+    ui, _ = load(name)
+    boxes = [(n["id"], n["type"], n["pos"][0], n["pos"][1] - TITLE_HEIGHT, n["pos"][0] + n["size"][0],
+              n["pos"][1] + n["size"][1]) for n in ui["nodes"]]
+    for i, (*a, ax0, ay0, ax1, ay1) in enumerate(boxes):
+        for *b, bx0, by0, bx1, by1 in boxes[i + 1:]:
+            assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, (name, a, b)
 
 
 # --- unit tier: what ComfyUI's template browser and Missing Models warning read ----------------------------------
@@ -276,6 +309,32 @@ def model_files(api: dict) -> set[str]:
             if k in ("dit", "unet_name", "vae", "vae_name") and isinstance(v, str) and v != "none"}
 
 
+# What MGPU VAE Decode logs when its devices auto follows a connected MGPU Plan (loaders/parallel_decode.py).
+FOLLOWS_THE_PLAN = "MGPU VAE Decode: auto: the MGPU Plan"
+
+
+def _run_twin(server: ComfyServer, prompt: dict) -> dict:
+    """The history entry of ``prompt``, run to success, its video decoded by MGPU VAE Decode where the plan says."""
+    start = len(server.log())
+    entry = server.wait(server.post_prompt(prompt), timeout=600)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    assert FOLLOWS_THE_PLAN in server.log()[start:], server.log_tail()
+    return entry
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", NAMES)
+def test_mgpu_vae_decode_keeps_this_comfyuis_default_settings(comfyui_server: ComfyServer, name):
+    """devices auto and VAE Decode (Tiled)'s default tiles as this ComfyUI declares them (MGPU VAE Decode copies
+    them): the tiles MGPU Plan sizes a split or tiled decode by."""
+    spec = comfyui_server.object_info("MgpuVAEDecode")["input"]["required"]
+    _, api = load(name)
+    (decode,) = [n["inputs"] for n in api.values() if n["class_type"] == "MgpuVAEDecode"]
+    defaults = {k: entry[1]["default"] for k, entry in spec.items() if "default" in (entry[1:] or [{}])[0]}
+    assert {k: v for k, v in decode.items() if not isinstance(v, list)} == defaults
+    assert set(defaults) == {"devices", "tile_size", "overlap", "temporal_size", "temporal_overlap"}
+
+
 def _video(server: ComfyServer, entry: dict) -> tuple[int, int, int]:
     """(frames, width, height) of the video SaveVideo wrote."""
     import av
@@ -299,8 +358,7 @@ def test_wan_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer, dit_devi
     write_tiny_wan21_t2v(server.diffusion_models / "wan2.1_t2v_14B_bf16.safetensors")
     if not (server.vae / "wan_2.1_vae.safetensors").exists():
         write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
-    entry = server.wait(server.post_prompt(_for_the_run(api, 64, 64, 5)), timeout=600)
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    entry = _run_twin(server, _for_the_run(api, 64, 64, 5))
     assert _video(server, entry) == (5, 64, 64)
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
     assert {p["role"] for p in plan["placements"]} == {"dit", "vae"}
@@ -359,8 +417,7 @@ def test_ltxv_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfySer
         write_tiny_ltxv_checkpoint(dit_file)
     if not vae_link.is_symlink():
         vae_link.symlink_to(dit_file)  # as the workflow's note says: the same file in both folders
-    entry = server.wait(server.post_prompt(_for_the_run(api, 64, 64, 9)), timeout=600)
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    entry = _run_twin(server, _for_the_run(api, 64, 64, 9))
     assert _video(server, entry) == (9, 64, 64)
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
     assert {p["role"]: p["family"] for p in plan["placements"]} == {"dit": "ltxv", "vae": "ltxv-vae"}
@@ -449,8 +506,7 @@ def test_ltx2_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfySer
     for node in api.values():
         if node["class_type"] == "MgpuLoadDiffusionModel":
             node["inputs"]["device"] = dit_device
-    entry = server.wait(server.post_prompt(_for_the_run(api, 64, 64, 9, text=(48, 1024))), timeout=600)
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    entry = _run_twin(server, _for_the_run(api, 64, 64, 9, text=(48, 1024)))
     assert _video(server, entry) == (9, 64, 64) and _audio_streams(server, entry) == 1
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
     assert {p["role"]: p["family"] for p in plan["placements"]} == {"dit": "ltx2-av", "vae": "ltxv-vae"}
@@ -511,8 +567,7 @@ def test_wan22_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer, dit_de
     vae = next(n["inputs"]["vae_name"] for n in api.values() if n["class_type"] == "MgpuLoadVAE")
     if not (server.vae / vae).exists():
         write_wan21_vae(server.vae / vae)
-    entry = server.wait(server.post_prompt(prompt), timeout=600)
-    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
+    entry = _run_twin(server, prompt)
     assert _video(server, entry) == (5, 64, 64)
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
     experts = {p["role"]: p["experts"] for p in plan["placements"] if p["role"].startswith("dit")}
