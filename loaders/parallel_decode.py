@@ -154,6 +154,9 @@ def decode(vae, samples: dict, devices: str, tiles: TileSettings = TileSettings(
     home = _device_id(vae.device)
     if wanted is None and (chosen := planned(plan, known, home)) is not None:
         wanted, why = chosen
+        if _planned_whole(plan):
+            log.info("%s: auto: the MGPU Plan decodes the whole video at once on %s, as VAE Decode does", NODE, home)
+            return _whole_decode(vae, samples)
         log.info("%s: %s", NODE, why)
     if not _comfyui_tiles(vae):
         if wanted is not None and wanted != [home]:
@@ -169,6 +172,18 @@ def decode(vae, samples: dict, devices: str, tiles: TileSettings = TileSettings(
     wanted = wanted[:len(recorder.tiles)]        # no copy for a device that would get no tile
     decoded = _decode_all(vae, recorder.tiles, wanted, need)
     return _tiled_decode(_stand_in(vae, _Replayer(recorder.tiles, decoded), vae.output_device), samples, tiles)
+
+
+def _planned_whole(plan) -> bool:
+    """The plan sized an untiled decode on one device (a short video): decode it as VAE Decode does, not in tiles."""
+    placed = plan.placement("vae")
+    return placed.strategy != "split" and not placed.tiled
+
+
+def _whole_decode(vae, samples: dict) -> torch.Tensor:
+    import nodes   # ComfyUI's VAE Decode: its own fallback to tiles if the device runs out of memory after all
+
+    return nodes.VAEDecode().decode(vae, samples)[0]
 
 
 def _device_id(device) -> str:

@@ -11,8 +11,9 @@ from ..loaders import parallel_decode
 from .plan import PlanType
 
 _DEVICES_TIP = ("where the tiles are decoded, each device with its own copy of the VAE: auto (the MGPU Plan's "
-                "choice when one is connected, else the VAE's GPU and every other GPU with room for a copy and one "
-                "tile), or a list such as cuda:0,cuda:1")
+                "choice when one is connected: its GPUs, or the whole video at once as VAE Decode does when the plan "
+                "found room for that; else the VAE's GPU and every other GPU with room for a copy and one tile), or "
+                "a list such as cuda:0,cuda:1")
 # What an INT input of VAEDecodeTiled may say that io.Int.Input takes in both ComfyUI versions.
 _INT_OPTIONS = ("default", "min", "max", "step", "tooltip")
 

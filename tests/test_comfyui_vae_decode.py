@@ -107,13 +107,17 @@ def test_three_devices_share_the_image_tiles_round_robin(image):
 
 def test_auto_with_a_plan_decodes_where_the_plan_says(tmp_path):
     """A plan that splits the decode over two devices: two networks, each its share of the tiles, the same image as
-    VAE Decode (Tiled); a plan that decodes on one device: the VAE's own network alone; a plan for GPUs this
-    machine lacks: refused before any tile is decoded."""
+    VAE Decode (Tiled); a plan that decodes in tiles on one device: the VAE's own network alone; one that decodes the
+    whole video on one device: VAE Decode's image; a plan for GPUs this machine lacks: refused before any tile is
+    decoded."""
     facts = in_comfyui("check_plan", tmp_path)
     assert facts["max_diff_split"] == 0.0 and facts["max_diff_one"] == 0.0
     assert len(facts["split"]["tiles_per_network"]) == 2 and facts["split"]["own_network_decoded"]
     assert facts["one"]["tiles_per_network"] == [sum(facts["split"]["tiles_per_network"])]
     assert facts["one"]["own_network_decoded"]
+    # a plan that sized the whole video at once on one device: VAE Decode's own untiled decode, one call
+    assert facts["max_diff_whole"] == 0.0 and facts["tiled_vs_whole"] > 0
+    assert facts["whole"]["tiles_per_network"] == [1] and facts["whole"]["own_network_decoded"]
     assert facts["missing"].startswith("MGPU VAE Decode: the MGPU Plan splits the decode over cuda:0, cuda:1, but "
                                        "cuda:0, cuda:1 are not on this machine")
     assert facts["missing_decoded"] == 0
@@ -187,18 +191,23 @@ def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
     assert len(ours) == len(stock) == 9
     assert [Image.open(p).tobytes() for p in ours] == [Image.open(p).tobytes() for p in stock]
 
-    # with an MGPU Plan of this machine (no GPU: the VAE on the cpu) and devices auto: the same PNGs
+    # with an MGPU Plan of this machine (no GPU: the VAE on the cpu, the short video decoded whole) and devices
+    # auto: VAE Decode's PNGs, which the tiles' blending does not give
     prompt["7"] = {"class_type": "MgpuPlan", "inputs": {"dit": DIT, "text_encoder": "none", "vae": VAE, "width": 80,
                                                         "height": 80, "frames": 9, "batch": 1, "cfg": True,
                                                         "dit_weight_dtype": "default", "devices": "auto",
                                                         "allow_offload": False, "prefer_speed": False}}
     prompt["3"]["inputs"].update(devices="auto", plan=["7", 0])
     prompt["1"]["inputs"].update(device="auto", plan=["7", 0])
+    prompt["8"] = {"class_type": "VAEDecode", "inputs": {"samples": ["2", 0], "vae": ["1", 0]}}
+    prompt["9"] = {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": "stock_whole"}}
     entry = server.wait(server.post_prompt(prompt), timeout=600)
     assert entry["status"]["status_str"] == "success", entry["status"]
     planned = [server.output_dir / i["filename"] for i in entry["outputs"]["5"]["images"]]
-    assert [Image.open(p).tobytes() for p in planned] == [Image.open(p).tobytes() for p in stock]
-    del prompt["7"], prompt["3"]["inputs"]["plan"], prompt["1"]["inputs"]["plan"]
+    whole = [server.output_dir / i["filename"] for i in entry["outputs"]["9"]["images"]]
+    assert [Image.open(p).tobytes() for p in planned] == [Image.open(p).tobytes() for p in whole]
+    assert [Image.open(p).tobytes() for p in whole] != [Image.open(p).tobytes() for p in stock]
+    del prompt["7"], prompt["8"], prompt["9"], prompt["3"]["inputs"]["plan"], prompt["1"]["inputs"]["plan"]
     prompt["1"]["inputs"]["device"] = "cpu"
 
     prompt["3"]["inputs"]["devices"] = "cpu,cuda:5"

@@ -215,21 +215,23 @@ def check_failures(_folder: str) -> dict:
     return facts
 
 
-def vae_plan(strategy: str, devices: list[str]):
+def vae_plan(strategy: str, devices: list[str], tiled: bool | None = None):
     """An MGPU Plan whose VAE decodes ``strategy`` on ``devices`` (the planner splits over GPUs only; cpu entries
-    stand in for them here)."""
+    stand in for them here), in tiles or not (a split always is)."""
     from mgpu.planning.partition import Placement, Plan
 
     placed = Placement(role="vae", file="vae.safetensors", family="wan-vae", strategy=strategy, devices=devices,
                        weight_dtype="bf16", weight_bytes=1, resident_bytes=dict.fromkeys(devices, 1),
-                       working_bytes=dict.fromkeys(devices, 1), tiled=strategy == "split")
+                       working_bytes=dict.fromkeys(devices, 1), tiled=strategy == "split" if tiled is None else tiled)
     return Plan(placements=[placed], usage=[], devices=[], workload={}, policy={}, reasons=[])
 
 
 def check_plan(_folder: str) -> dict:
     """devices auto with an MGPU Plan connected: a plan that splits the decode over two devices decodes on two
-    networks, one that decodes on one device on the VAE's own network; a plan for GPUs this machine lacks fails
-    before anything is decoded."""
+    networks, one that decodes in tiles on one device on the VAE's own network, one that decodes the whole video on
+    one device as VAE Decode does; a plan for GPUs this machine lacks fails before anything is decoded."""
+    import nodes
+
     from mgpu.errors import MgpuError
 
     vae = image_vae()
@@ -237,11 +239,14 @@ def check_plan(_folder: str) -> dict:
     samples = latent(1, 4, 24, 40)
     with torch.inference_mode():
         ref = stock(vae, samples)
+        ref_whole = nodes.VAEDecode().decode(vae, samples)[0]
         calls.take()
         two = mgpu(vae, samples, "auto", vae_plan("split", ["cpu", "cpu"]))
         two_calls = calls.take()
-        one = mgpu(vae, samples, "auto", vae_plan("cpu", ["cpu"]))
+        one = mgpu(vae, samples, "auto", vae_plan("cpu", ["cpu"], tiled=True))
         one_calls = calls.take()
+        whole = mgpu(vae, samples, "auto", vae_plan("cpu", ["cpu"], tiled=False))
+        whole_calls = calls.take()
         try:
             mgpu(vae, samples, "auto", vae_plan("split", ["cuda:0", "cuda:1"]))
             missing = None
@@ -249,5 +254,7 @@ def check_plan(_folder: str) -> dict:
             missing = str(exc)
         missing_decoded = len(calls.take())
     return {"max_diff_split": _diff(two, ref), "max_diff_one": _diff(one, ref),
-            "split": split(vae, two_calls), "one": split(vae, one_calls), "missing": missing,
+            "max_diff_whole": _diff(whole, ref_whole), "tiled_vs_whole": _diff(ref, ref_whole),
+            "split": split(vae, two_calls), "one": split(vae, one_calls), "whole": split(vae, whole_calls),
+            "missing": missing,
             "missing_decoded": missing_decoded}
