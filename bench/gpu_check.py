@@ -10,7 +10,8 @@ deadline is left:
   environment      torch, CUDA, NCCL, the GPUs
   inventory        ``mgpu.planning.devices.inventory()`` (NVML) against torch.cuda: count, names, total and free memory
   fsdp             a one-rank pool (NCCL on a GPU) loads a real-dimension Wan-shaped stand-in (bench/dit_standin.py,
-                   Wan 14B block size) slice by slice and runs a CFG step, compared with the model run directly
+                   Wan 14B block size) slice by slice and runs a CFG step, compared with the model run directly; then
+                   the ranks' reserved memory before and after the release ComfyUI's cleanup runs when sampling ends
   calibration      peak memory of one real-dimension Wan block forward at several token counts (up to a 720p
                    video's 75,600) against ``mgpu.planning.estimates.dit_activation_bytes``; ComfyUI's own WanModel when
                    COMFYUI_PATH is set, else the stand-in
@@ -39,6 +40,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mgpu.ranks.pool import RankPool
+    from mgpu.sharding.sharded import ShardedModule
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [p for p in (str(HERE), str(HERE.parent)) if p not in sys.path]
@@ -215,6 +221,7 @@ def fsdp(run: Run) -> dict:
         step_s = timed(lambda: model(x, timestep, context=context), "cpu", repeats=2)
         stats = pool.call("stats")[0].payload
         after = pool.call("dit_standin:rank_memory")[0].payload
+        release = cache_release(pool, model, lambda: model(x, timestep, context=context), sharded)
     with torch.device(s.device):
         reference = wan_standin(**run.model_kwargs(s.fsdp_layers))
     reference.load_state_dict(load_file(str(path), device=s.device))
@@ -227,7 +234,22 @@ def fsdp(run: Run) -> dict:
             "load_report": load["report"], "local_param_bytes": load["local_param_bytes"],
             "first_step_seconds": first_step_s, "step_seconds": step_s, "output_shape": list(sharded.shape),
             "max_abs_diff": diff, "output_scale": scale, "matches": diff <= 1e-2 * max(scale, 1.0),
-            "rank_stats": stats, "rank_memory_before_load": before, "rank_memory_after_step": after}
+            "rank_stats": stats, "rank_memory_before_load": before, "rank_memory_after_step": after,
+            "cache_release": release}
+
+
+def cache_release(pool: RankPool, model: ShardedModule, step: Callable[[], torch.Tensor],
+                  expected: torch.Tensor) -> dict:
+    """What ComfyUI's cleanup has the ranks do when sampling ends (``ShardedModule.release_cached_memory``): each
+    rank's reserved memory before and after (what the host's VAE decode gets back), and a step after it, which
+    reserves again and must give the same output."""
+    reserved = [r.payload["reserved"] for r in pool.call("stats")]
+    released = model.release_cached_memory()
+    again = step()
+    return {"ranks": [{"device": r["device"], "reserved_before_bytes": b, "released_bytes": r["released_bytes"],
+                       "reserved_after_bytes": r["reserved_bytes"]} for b, r in zip(reserved, released)],
+            "step_after_max_abs_diff": (again.float() - expected.float()).abs().max().item(),
+            "reserved_after_next_step_bytes": [r.payload["reserved"] for r in pool.call("stats")]}
 
 
 def _calibration_model(run: Run) -> tuple[torch.nn.Module, object, Callable, str]:

@@ -33,6 +33,7 @@ import folder_paths
 import torch
 
 from mgpu.errors import CallCancelled, MgpuError, RankFailure
+from mgpu.planning.devices import format_bytes
 from mgpu.weights.gguf import is_gguf
 from mgpu.weights.lora import PatchedModule
 from mgpu.sharding.sharded import ModelSpec, ShardedModule, first_tensor
@@ -188,6 +189,37 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
         super().unpatch_model(None, unpatch_weights)   # never .to(): the host's network is on meta
         if device_to is not None:
             self.model.device = device_to
+
+    def cleanup(self) -> None:
+        """ComfyUI calls this when every sampling run ends (``CFGGuider.outer_sample``'s finally): the ranks give
+        back the working memory their caching allocators kept, which the VAE decode (or the next prompt's text
+        encoder) on the same GPUs needs and the plan counts as free after sampling. The next step reserves again."""
+        super().cleanup()
+        remote = self.object_patches.get(REMOTE_FORWARD)
+        if isinstance(remote, RemoteForward):
+            self._release_cached_memory(remote.sharded)
+
+    def _release_cached_memory(self, sharded: ShardedModule) -> None:
+        """``ShardedModule.release_cached_memory`` with this clone's step timeout, logged once for all ranks. It
+        runs inside ComfyUI's cleanup (a ``finally``), so it never raises, which would hide the prompt's own
+        outcome: a failure is logged instead."""
+        label = os.path.basename(sharded.spec.checkpoint)   # "<file> sharded over N ranks" names its loads
+        timeout = self.model_options.get("transformer_options", {}).get(OPTIONS_KEY, {}).get("timeout_s")
+        try:
+            released = sharded.release_cached_memory(timeout=timeout, cancelled=mm.processing_interrupted)
+        except Exception as exc:   # noqa: BLE001 - see above; the next step finds a failed pool and says so
+            log.warning("%s: the ranks' cached working memory was not released after sampling (%s); a VAE decode "
+                        "on their GPUs may run short of memory (MGPU VAE Decode splits it; ComfyUI's Unload Models "
+                        "frees it)", label, exc)
+            return
+        if not released:
+            if not sharded.pool.alive:
+                log.warning("%s: its ranks are gone, so no cached working memory was released after sampling; the "
+                            "next run starts them again and reloads the model", label)
+            return
+        sizes = [(format_bytes(r["released_bytes"]), r["device"]) for r in released]
+        log.info("%s: sampling ended: its ranks released %s of cached working memory on %s", label, sizes[0][0],
+                 ", ".join([sizes[0][1], *(f"{b} on {d}" for b, d in sizes[1:])]))
 
     def _want_weight_patches(self) -> None:
         """ComfyUI calls ``load`` before sampling with the clone that samples: its weight patches (none: the base)

@@ -280,12 +280,8 @@ def chart(plan: Plan) -> list[dict]:
                              else _EXPERT_LABEL[p.role] if p.experts else "")
                     segments.append({"kind": "dit" if p.role in EXPERT_ROLES else p.role,
                                      "label": f"{what} weights{which}", "bytes": p.resident_bytes[use.device]})
-            cached = max((p.working_bytes.get(use.device, 0) for p in plan.placements if p.role in EXPERT_ROLES
-                          and phase != "sample" and phase in phases_working(p.role, p.strategy)), default=0)
-            if cached:   # an FSDP DiT's ranks keep their working memory after sampling
-                segments.append({"kind": "working", "label": "DiT working (cached by its ranks)", "bytes": cached})
             working = max((p.working_bytes.get(use.device, 0) for p in plan.placements
-                           if p.role == _RUNS_IN[phase] or (phase == "sample" and p.role in EXPERT_ROLES)), default=0)
+                           if phase in phases_working(p.role)), default=0)   # of two experts, one runs at a time
             if working:
                 segments.append({"kind": "working", "label": f"{_ROLE_LABEL[_RUNS_IN[phase]]} working",
                                  "bytes": working})

@@ -36,6 +36,8 @@ LTXV = "mgpu_fsdp_ltxv.safetensors"
 FAMILIES = {"wan": (WAN, "EmptyHunyuanLatentVideo", 5), "ltxv": (LTXV, "EmptyLTXVLatentVideo", 9)}
 STEPS = 3
 TOLERANCE = 1e-4   # fp32 on CPU: the ranks compute one row each, the stock model both rows at once
+# logged when a sampling run ends (ComfyUI's cleanup): cpu ranks have no caching allocator, so nothing to release
+RELEASED = "sampling ended: its ranks released 0 B of cached working memory on cpu, 0 B on cpu"
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +273,7 @@ def test_options_the_network_reads_reach_the_ranks(server: ComfyServer) -> None:
 def test_interrupt_stops_within_a_step_and_keeps_the_pool(server: ComfyServer) -> None:
     """(d) POST /interrupt mid-run ends the prompt at the next step; the same ranks then serve the next prompt."""
     steps = 10_000
+    start = len(server.log())
     prompt_id = server.post_prompt(sharded_prompt(steps, size=128))
     server.wait_ws(prompt_id, "progress", timeout=300)
     pids = sorted(p.pid for p in ranks_of(server))
@@ -283,9 +286,37 @@ def test_interrupt_stops_within_a_step_and_keeps_the_pool(server: ComfyServer) -
     # a step in flight finishes; its progress update raises instead of reporting (plus one already on the wire)
     assert len(progress_of(server, prompt_id, "fsdp")) - seen <= 2
 
+    assert RELEASED in server.log()[start:]   # ComfyUI's cleanup ran on the way out, and the ranks answered it
+
     lat = latents(server, run(server, sharded_prompt(2, size=128, with_stock=True)))
     assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
     assert sorted(p.pid for p in ranks_of(server)) == pids
+
+
+def _advanced(model: str, latent: list, start: int, end: int, first: bool) -> dict:
+    """KSamplerAdvanced over steps [start, end) of 4: the first pass adds the noise and returns what is left of it,
+    the second goes on from there (Wan 2.2's two experts, here one model twice)."""
+    return {"class_type": "KSamplerAdvanced",
+            "inputs": {"model": [model, 0], "add_noise": "enable" if first else "disable", "noise_seed": 31,
+                       "steps": 4, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple", "positive": ["pos", 0],
+                       "negative": ["neg", 0], "latent_image": latent, "start_at_step": start, "end_at_step": end,
+                       "return_with_leftover_noise": "enable" if first else "disable"}}
+
+
+def test_every_sampling_run_has_the_ranks_release_their_cached_memory(server: ComfyServer) -> None:
+    """ComfyUI's cleanup at the end of each sampling run (``outer_sample``'s finally) has the ranks empty their
+    caching allocators, logged once per run for all ranks. Two KSamplerAdvanced in a row on the sharded model
+    release after each; the second pass reserves again and the result equals stock's."""
+    prompt = _base("wan", seed=31)
+    for unet in ("stock", "fsdp"):
+        prompt[f"{unet}_high"] = _advanced(f"{unet}_unet", ["latent", 0], 0, 2, first=True)
+        prompt[f"{unet}_low"] = _advanced(f"{unet}_unet", [f"{unet}_high", 0], 2, 4, first=False)
+        prompt[f"save_{unet}"] = _save(f"{unet}_low")
+    start = len(server.log())
+    lat = latents(server, run(server, prompt))
+    assert max_diff(lat["fsdp"], lat["stock"]) <= TOLERANCE
+    log = server.log()[start:]
+    assert log.count(f"{WAN}: {RELEASED}") == 2, log[-3000:]
 
 
 def test_a_changed_loader_frees_its_old_shards_before_loading_new_ones(server: ComfyServer) -> None:
@@ -322,6 +353,7 @@ def test_bad_input_is_a_readable_node_error(server: ComfyServer, loader: dict, e
 def test_killed_rank_is_a_node_error_and_the_next_prompt_rebuilds(server: ComfyServer) -> None:
     """(e) SIGKILL of a rank mid-run: a node error naming rank, device and cause; no rank left; the next prompt
     restarts the pool and reloads the model, and the result is right."""
+    start = len(server.log())
     prompt_id = server.post_prompt(sharded_prompt(10_000, size=128))
     server.wait_ws(prompt_id, "progress", timeout=300)
     ranks = ranks_of(server)
@@ -332,6 +364,8 @@ def test_killed_rank_is_a_node_error_and_the_next_prompt_rebuilds(server: ComfyS
     assert error["node_id"] == "fsdp" and error["node_type"] == "MgpuFSDPSampler"
     assert f"rank 1 (cpu, pid {victim.pid}) was killed by SIGKILL" in message, message
     assert "Queue the prompt again" in message
+    # ComfyUI's cleanup after the failed run found the ranks gone: a warning, not an error in place of the node's
+    assert "its ranks are gone, so no cached working memory was released after sampling" in server.log()[start:]
     wait_until(lambda: not ranks_of(server), 15, "the surviving rank to be stopped")
 
     lat = latents(server, run(server, sharded_prompt(2, size=128, with_stock=True)))

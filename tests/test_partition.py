@@ -83,9 +83,11 @@ def test_two_24gib_gpus_fp8_shard_the_dit_and_split_cfg(wan14b):
     dit = p.placement("dit")
     assert (dit.strategy, dit.devices, dit.batch_per_rank) == ("fsdp", ["cuda:0", "cuda:1"], 1)
     assert dit.weight_bytes < 0.55 * wan14b["dit"].total_bytes
-    # The encoder reuses a GPU before sampling; the VAE's tiles are split over both GPUs beside the shards (below).
+    # The encoder reuses a GPU before sampling; the ranks give their working memory back when sampling ends, so one
+    # GPU decodes the whole video beside its shard (13.6 GiB of the 16.6 GiB left).
     assert p.placement("text_encoder").devices[0].startswith("cuda")
-    assert (p.placement("vae").strategy, p.placement("vae").devices) == ("split", ["cuda:0", "cuda:1"])
+    vae = p.placement("vae")
+    assert (vae.strategy, vae.devices, vae.tiled) == ("single", ["cuda:0"], False)
     assert_within_budgets(p)
 
 
@@ -202,16 +204,17 @@ def test_cpu_only(wan14b):
 # --- the VAE decode: one GPU, or its tiles split over the GPUs (MGPU VAE Decode) -------------------------------------
 
 def _decode_plan(sizes, spec: str, workload: Workload = HD_81, **policy) -> Plan:
-    """Wan 14B in fp8 and its VAE: the shards take a third of each GPU and their ranks' cached working memory more."""
+    """Wan 14B in fp8 and its VAE: at decode time each rank GPU holds its 6.9 GiB shard (the ranks gave their
+    working memory back when sampling ended)."""
     return make_plan([Component("dit", sizes["dit"], "fp8_e4m3fn"), Component("vae", sizes["vae"])],
                      parse_spec(spec), workload, Policy(**policy))
 
 
 def test_a_long_video_that_no_gpu_decodes_beside_the_shards_is_split_over_them(wan14b):
-    """720p, 81 frames on 2 x 24 GiB: at decode time each GPU still holds its DiT shard and the working memory its
-    rank's allocator keeps after sampling, 6 GiB left of 23.5; the untiled decode needs 13.6 GiB on one GPU, a
-    split decode 5.3 GiB on each (a VAE copy, one tile, a CUDA context)."""
-    p = _decode_plan(wan14b, "2x24GiB,cpu=64GiB")
+    """720p, 81 frames on 2 x 20 GiB: at decode time each GPU holds its DiT shard, 12.6 GiB left of 19.5; the
+    untiled decode needs 13.6 GiB on one GPU, a split decode 5.3 GiB on each (a VAE copy, one tile, a CUDA context).
+    The DiT's working memory (10.7 GiB per rank) is not held then: its ranks released it when sampling ended."""
+    p = _decode_plan(wan14b, "2x20GiB,cpu=64GiB")
     dit, vae = p.placement("dit"), p.placement("vae")
     assert (vae.strategy, vae.devices, vae.tiled) == ("split", ["cuda:0", "cuda:1"], True)
     each = vae_parallel_decode_bytes(wan14b["vae"], HD_81)
@@ -220,14 +223,14 @@ def test_a_long_video_that_no_gpu_decodes_beside_the_shards_is_split_over_them(w
         dev = use.device
         assert vae.resident_bytes[dev] == weight_bytes(wan14b["vae"], None)
         assert vae.resident_bytes[dev] + vae.working_bytes[dev] == each
-        held = dit.resident_bytes[dev] + dit.working_bytes[dev]   # shard + what the rank keeps cached
+        held = dit.resident_bytes[dev]   # the shard; the working memory counts while sampling only
+        assert use.by_phase["sample"] == held + dit.working_bytes[dev]
         assert use.by_phase["decode"] == held + each <= use.budget_bytes
-        assert held + untiled > use.budget_bytes   # the one-GPU decode does not fit beside them
+        assert held + untiled > use.budget_bytes   # the one-GPU decode does not fit beside it
     text = p.table()
     assert ("vae: split on cuda:0, cuda:1 (wan-vae, bf16, 242 MiB)\n"
             "  - untiled on one GPU needs 13.6 GiB (242 MiB weights + 13.4 GiB working, the whole video at once); "
-            "free at decode: cuda:0 6 GiB (beside DiT shard 6.9 GiB + DiT working its ranks keep cached 10.7 GiB), "
-            "cuda:1 6 GiB (beside DiT shard 6.9 GiB + DiT working its ranks keep cached 10.7 GiB)\n"
+            "free at decode: cuda:0 12.6 GiB (beside DiT shard 6.9 GiB), cuda:1 12.6 GiB (beside DiT shard 6.9 GiB)\n"
             "  - decoded in tiles split over 2 GPUs by MGPU VAE Decode (devices auto, this plan connected): 5.3 GiB "
             "on each GPU (242 MiB VAE copy + 4 GiB one tile of 512 px x 64 frames + 1 GiB CUDA context), whatever "
             "the video's length\n"
@@ -237,9 +240,10 @@ def test_a_long_video_that_no_gpu_decodes_beside_the_shards_is_split_over_them(w
 
 
 def test_a_split_decode_starts_on_the_gpu_with_most_room_and_leaves_out_those_without(wan14b):
-    """The shards take the two 24 GiB GPUs; the idle 12 GiB one has the most room at decode, so the VAE loads
-    there; a 4 GiB one has no room for a copy and a tile."""
-    p = _decode_plan(wan14b, "cuda:0=24GiB,cuda:1=24GiB,cuda:2=12GiB,cuda:3=4GiB,cpu=64GiB")
+    """The shards take the two 19 GiB GPUs (11.6 GiB left beside each at decode); the idle 13 GiB one has the most
+    room at decode (12.5 GiB, under the 13.6 GiB of an untiled decode), so the VAE loads there; a 4 GiB one has no
+    room for a copy and a tile."""
+    p = _decode_plan(wan14b, "cuda:0=19GiB,cuda:1=19GiB,cuda:2=13GiB,cuda:3=4GiB,cpu=64GiB")
     assert p.placement("dit").devices == ["cuda:0", "cuda:1"]
     vae = p.placement("vae")
     assert (vae.strategy, vae.devices) == ("split", ["cuda:2", "cuda:0", "cuda:1"])
@@ -250,8 +254,8 @@ def test_a_split_decode_starts_on_the_gpu_with_most_room_and_leaves_out_those_wi
 
 @pytest.mark.parametrize("speed", [False, True])
 def test_a_short_video_decodes_on_one_gpu(wan14b, speed):
-    """480p, 33 frames: the untiled decode (6.8 GiB) fits one GPU, beside a shard and its ranks' cached working
-    memory too (when asked for speed the DiT shards over both GPUs)."""
+    """480p, 33 frames: the untiled decode (6.8 GiB) fits one GPU, beside a shard too (when asked for speed the DiT
+    shards over both GPUs)."""
     short = Workload(832, 480, 33, 1, True)
     p = _decode_plan(wan14b, "2x24GiB,cpu=64GiB", short, prefer_speed=speed)
     vae = p.placement("vae")
@@ -262,28 +266,30 @@ def test_a_short_video_decodes_on_one_gpu(wan14b, speed):
         dit = p.placement("dit")
         assert dit.strategy == "fsdp" and vae.devices[0] in dit.devices
         use = p.usage[0]
-        assert use.by_phase["decode"] == (dit.resident_bytes["cuda:0"] + dit.working_bytes["cuda:0"]
+        assert use.by_phase["decode"] == (dit.resident_bytes["cuda:0"]
                                           + vae.resident_bytes["cuda:0"] + vae.working_bytes["cuda:0"])
     assert_within_budgets(p)
 
 
 def test_a_decode_that_fits_nowhere_names_each_device_and_its_bytes(wan14b):
-    """2 x 22 GiB: 4 GiB left per GPU at decode, under the 5.3 GiB a split decode needs on each; 8 GiB of host RAM
-    (4 GiB budget) cannot decode it either."""
+    """720p, 9 frames on 2 x 11 GiB: 3.6 GiB left per GPU at decode beside the shard, under the 4.9 GiB a split
+    decode needs on each and the 4.3 GiB of a tiled one; 8 GiB of host RAM (4 GiB budget) cannot decode it either."""
+    brief = Workload(1280, 720, 9, 1, True)
     with pytest.raises(PlanError) as info:
-        _decode_plan(wan14b, "2x22GiB,cpu=8GiB")
+        _decode_plan(wan14b, "2x11GiB,cpu=8GiB", brief)
     msg = str(info.value)
     assert msg.startswith("cannot place the vae (")
-    beside = "(beside DiT shard 6.9 GiB + DiT working its ranks keep cached 10.7 GiB)"
+    beside = "(beside DiT shard 6.9 GiB)"
     assert (f"VAE untiled on one GPU needs 13.6 GiB (242 MiB weights + 13.4 GiB working, the whole video at once); "
-            f"free at decode: cuda:0 4 GiB {beside}, cuda:1 4 GiB {beside}") in msg
-    assert ("VAE split over GPUs by MGPU VAE Decode needs 5.3 GiB on each GPU (242 MiB VAE copy + 4 GiB one tile of "
-            "512 px x 64 frames + 1 GiB CUDA context) on at least 2 GPUs; no GPU has that room") in msg
-    assert "VAE on the CPU needs 5.1 GiB of host RAM (tiled); budget left is 4 GiB" in msg
+            f"free at decode: cuda:0 3.6 GiB {beside}, cuda:1 3.6 GiB {beside}") in msg
+    assert ("VAE split over GPUs by MGPU VAE Decode needs 4.9 GiB on each GPU (242 MiB VAE copy + 3.7 GiB one tile "
+            "of 512 px x 64 frames + 1 GiB CUDA context) on at least 2 GPUs; no GPU has that room") in msg
+    assert "VAE tiled on one GPU needs 4.3 GiB" in msg
+    assert "VAE on the CPU needs 4.3 GiB of host RAM (tiled); budget left is 4 GiB" in msg
     assert "ways out: use more GPUs; give the host more free RAM" in msg and "offload" not in msg
     assert {n["device"] for n in info.value.needs} == {"cuda:0", "cuda:1", "cpu"}
     # with host RAM to spare it decodes there, and says why no GPU does
-    vae = _decode_plan(wan14b, "2x22GiB,cpu=64GiB").placement("vae")
+    vae = _decode_plan(wan14b, "2x11GiB,cpu=64GiB", brief).placement("vae")
     assert vae.strategy == "cpu" and "no GPU has room left: decodes on the CPU (slow)" in vae.reasons
 
 
@@ -338,9 +344,8 @@ def _recomputed_usage(p: Plan) -> dict[str, dict[str, int]]:
             resident = ("encode",) if free_te else PHASES
         else:
             resident = ("decode",)
-        run = {"text_encoder": "encode", "dit": "sample", "vae": "decode"}[pl.role]
-        # an FSDP DiT's ranks keep their working memory cached after sampling, through the decode
-        working = ("sample", "decode") if pl.role == "dit" and pl.strategy == "fsdp" else (run,)
+        # working memory only while it runs: an FSDP DiT's ranks give theirs back when sampling ends
+        working = ({"text_encoder": "encode", "dit": "sample", "vae": "decode"}[pl.role],)
         for dev, b in pl.resident_bytes.items():
             for ph in resident:
                 use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b

@@ -229,3 +229,37 @@ def test_a_forward_every_rank_rejects_leaves_the_model_usable(sharded, checkpoin
     inputs = T.diffusers_wan_inputs(2, seed=9)
     expected = T.run_diffusers_wan(checkpoint[1], inputs)
     torch.testing.assert_close(sharded(**inputs, return_dict=False), expected, atol=1e-5, rtol=0)
+
+
+def test_releasing_cached_memory_keeps_every_rank_working(tmp_path):
+    """What ComfyUI's cleanup runs after sampling (``release_cached_memory``) answers from every rank (a cpu rank has
+    no caching allocator: 0 bytes), reshards units a model that reshards left gathered, keeps a model's kept-gathered
+    weights, and changes no result, called twice in a row too. A model whose pool is gone starts no rank for it."""
+    path = tmp_path / "mlp.safetensors"
+    T.save_checkpoint(T.reference("mlp"), path)
+    pool = RankPool(PoolConfig(devices=["cpu", "cpu"], extra_sys_path=[TESTS], call_timeout_s=120))
+    try:
+        resharding = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_mlp", checkpoint=str(path)))
+        keeping = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_mlp", checkpoint=str(path),
+                                                reshard_after_forward=False))
+        models = (resharding, keeping)
+        x = T.mlp_inputs(2, seed=4)["x"]
+        before = [m(x=x) for m in models]
+
+        def held(model: ShardedModule) -> list[int]:   # parameter bytes on each rank: its shard, or gathered
+            return [d["local_param_bytes"] for d in model.describe()]
+
+        shard, gathered = held(resharding), held(keeping)
+        assert all(g > s for g, s in zip(gathered, shard))
+        pool.call("fsdp_probes:unshard", {"handle": resharding.handle})
+        assert held(resharding) == gathered
+        for _ in range(2):
+            for model in models:
+                released = model.release_cached_memory()
+                assert released == [{"device": "cpu", "released_bytes": 0, "reserved_bytes": 0}] * 2
+            assert held(resharding) == shard and held(keeping) == gathered
+            for model, expected in zip(models, before):
+                torch.testing.assert_close(model(x=x), expected, rtol=0, atol=0)
+    finally:
+        pool.close()
+    assert resharding.release_cached_memory() == [] and not pool.alive

@@ -9,9 +9,10 @@ Memory model (every number is an estimate from `mgpu.planning.estimates`, and th
   FSDP DiT ComfyUI cannot see the ranks' memory, so its loader unloads ComfyUI's models from the ranks' GPUs when
   sampling starts (``loaders.diffusion.ShardedModelPatcher``).
 * An FSDP-sharded DiT lives in the rank processes for as long as the pool holds it, so its shard is resident in
-  every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank. Its working memory stays
-  too once sampling is done: each rank's caching allocator keeps what the steps used (nothing empties it after a
-  step), and no other process can use it, so it still counts in the decode phase (``phases_working``).
+  every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank. Its working memory
+  counts in the sample phase only: when sampling ends the ranks give back what their caching allocators kept
+  (``loaders.diffusion.ShardedModelPatcher.cleanup``), so the VAE decode and the next prompt's text encoder can use
+  it (``phases_working``).
 * The VAE decodes on one GPU when the whole decode fits beside what that GPU holds at decode time (a short video);
   else its tiles are split over every GPU with room for a VAE copy and one tile (MGPU VAE Decode,
   ``estimates.vae_parallel_decode_bytes``: the same per GPU whatever the video's length); else tiled on one GPU;
@@ -219,20 +220,18 @@ def phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]
     return ("decode",)
 
 
-def phases_working(role: str, strategy: str) -> tuple[str, ...]:
-    """The phases in which a component's working memory occupies its devices: the one it runs in; for an FSDP DiT
-    also the later ones, as its ranks' caching allocator keeps what sampling used and only the ranks can reuse it."""
-    run = _PHASE_OF[role]
-    if role in EXPERT_ROLES and strategy == "fsdp":
-        return PHASES[PHASES.index(run):]
-    return (run,)
+def phases_working(role: str) -> tuple[str, ...]:
+    """The phases in which a component's working memory occupies its devices: the one it runs in, whatever the
+    strategy. An FSDP DiT's ranks would keep what sampling used in their caching allocators, where only they can
+    reuse it; they give it back when sampling ends (``loaders.diffusion.ShardedModelPatcher.cleanup``)."""
+    return (_PHASE_OF[role],)
 
 
 def _need(role: str, strategy: str, policy: Policy, resident: dict[str, int], working: dict[str, int]) -> dict:
     need: dict[str, dict[str, int]] = {}
     for dev in set(resident) | set(working):
         need[dev] = {ph: resident.get(dev, 0) for ph in phases_resident(role, strategy, policy)}
-        for ph in phases_working(role, strategy):
+        for ph in phases_working(role):
             need[dev][ph] = need[dev].get(ph, 0) + working.get(dev, 0)
     return need
 
@@ -582,14 +581,11 @@ def _decode_room(dev: str, ledger: _Ledger) -> int:
 
 def _held_at_decode(dev: str, placements: list[Placement], policy: Policy) -> list[str]:
     """What takes ``dev``'s memory while the VAE decodes, as the ledger counts it: the weights resident then (of two
-    experts one at a time, the larger) and an FSDP DiT's working memory, which its ranks keep cached."""
+    experts one at a time, the larger)."""
     dits = [p for p in placements if p.role in EXPERT_ROLES]
     weights = [p.resident_bytes.get(dev, 0) for p in dits if "decode" in phases_resident(p.role, p.strategy, policy)]
     held = max(weights, default=0) if dits and dits[0].experts == ONE_AT_A_TIME else sum(weights)
-    cached = max((p.working_bytes.get(dev, 0) for p in dits if "decode" in phases_working(p.role, p.strategy)),
-                 default=0)
     parts = [f"DiT {'shard' if dits[0].strategy == 'fsdp' else 'weights'} {format_bytes(held)}"] if held else []
-    parts += [f"DiT working its ranks keep cached {format_bytes(cached)}"] if cached else []
     parts += [f"text encoder {format_bytes(p.resident_bytes[dev])}" for p in placements
               if p.role == "text_encoder" and dev in p.resident_bytes
               and "decode" in phases_resident(p.role, p.strategy, policy)]

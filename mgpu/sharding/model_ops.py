@@ -1,5 +1,6 @@
 """Rank-side ops for a sharded model: load it from a checkpoint slice by slice, run a forward on this rank's share
-of the batch, report what it holds. ``mgpu.sharding.sharded`` calls them by path (``"mgpu.sharding.model_ops:load"``).
+of the batch, give the working memory back when sampling ends, report what it holds. ``mgpu.sharding.sharded`` calls
+them by path (``"mgpu.sharding.model_ops:load"``).
 
 Forward inputs arrive as *references* so the host sends each tensor once: ``{"t": name}`` is a tensor of this call,
 ``{"c": digest}`` a tensor cached on the ranks by content hash (text context: same for every step), ``{"v": value}``
@@ -99,7 +100,8 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     report = (load_gguf_sharded if gguf else load_sharded)(model, checkpoint, prefix=payload.get("key_prefix"))
     seconds["read"] = report.seconds
     model.eval()
-    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}, "layouts": layouts}
+    ctx.objects[handle] = {"model": model, "param_dtype": param_dtype, "cache": {}, "layouts": layouts,
+                           "reshard_after_forward": payload.get("reshard_after_forward", True)}
     return {"report": report.to_dict(), "local_param_bytes": _local_bytes(model), "seconds": seconds,
             "gathered_bytes_per_forward": _gathered_bytes(model, param_dtype), "layout": layouts.describe()}
 
@@ -224,6 +226,29 @@ def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
     entry["cache"].clear()
     if ctx.torch_device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def release_cached_memory(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Sampling ended: give this rank's cached working memory back to the device. The caching allocator keeps what
+    the steps used (activations, all-gather buffers) reserved, and the host process (VAE decode, the next prompt's
+    text encoder) cannot use it. What stays: the shard, and the gathered blocks of a model that keeps them
+    (``reshard_after_forward`` False); a model that reshards has any unit still gathered resharded first. The next
+    forward reserves again. Reports the bytes released (0 on a cpu rank: it has no caching allocator)."""
+    import gc
+
+    entry = ctx.objects.get(payload["handle"])
+    if entry is not None and entry["reshard_after_forward"]:
+        for module in entry["model"].modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    if ctx.torch_device.type != "cuda":
+        return {"device": ctx.device, "released_bytes": 0, "reserved_bytes": 0}
+    gc.collect()   # working tensors only reference cycles still hold
+    torch.cuda.synchronize(ctx.torch_device)
+    before = torch.cuda.memory_reserved(ctx.torch_device)
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_reserved(ctx.torch_device)
+    return {"device": ctx.device, "released_bytes": before - after, "reserved_bytes": after}
 
 
 def describe(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:

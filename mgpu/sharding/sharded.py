@@ -242,6 +242,17 @@ class ShardedModule:
             drop.append(d)
         return drop
 
+    def release_cached_memory(self, timeout: float | None = None,
+                              cancelled: Callable[[], bool] | None = None) -> list[dict]:
+        """Give each rank's cached working memory back to its device (sampling ended: the host's VAE or text
+        encoder needs it); one reply per rank with ``released_bytes``. A model not loaded now (its pool rebuilt or
+        closed, its shards freed) has nothing there: no call, and no rank started for it."""
+        if not self.loaded:
+            return []
+        replies = self.pool.call(OPS + "release_cached_memory", {"handle": self.handle}, timeout=timeout,
+                                 cancelled=cancelled)
+        return [r.payload for r in replies]
+
     def describe(self) -> list[dict]:
         if not self.loaded:
             self.load()
