@@ -367,6 +367,24 @@ def test_rank_dying_while_idle_is_logged_and_the_pool_rebuilt_on_next_use(pool, 
     assert wait_gone(before, 5) and after != before and pool.generation == generation + 1
 
 
+def test_a_call_for_models_of_a_lost_generation_names_the_death_instead_of_running_on_fresh_ranks(pool):
+    """A rank that dies between two steps: the next step (which carries the generation its model was loaded in)
+    fails naming that rank, and starts no ranks that would not hold the model; the call after that rebuilds."""
+    before, generation = pids(pool), pool.generation
+    os.kill(before[1], signal.SIGKILL)
+    assert wait_gone(before[1:], 5)
+    with pytest.raises(RankFailure) as info:
+        pool.call("ping", generation=generation)
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value) and "during 'ping'" in str(info.value)
+    assert not pool.alive and pool.generation == generation      # torn down, nothing started for the stale call
+    assert wait_gone(before, 5)
+    after = pids(pool)                                            # a call without a generation rebuilds the pool
+    assert after != before and pool.generation == generation + 1
+    with pytest.raises(RankFailure, match="since been restarted or closed"):
+        pool.call("ping", generation=generation)                  # the old generation's models are gone for good
+    assert pids(pool) == after                                    # and the live pool is left as it was
+
+
 def test_call_timeout_names_silent_ranks_and_where_they_hang(pool):
     before = pids(pool)
     t0 = time.monotonic()

@@ -289,13 +289,19 @@ class RankPool:
             self._generation += 1
 
     def call(self, op: str, payload: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
-             timeout: float | None = None, cancelled: Callable[[], bool] | None = None) -> list[RankReply]:
+             timeout: float | None = None, cancelled: Callable[[], bool] | None = None,
+             generation: int | None = None) -> list[RankReply]:
         """Run ``op`` on every rank; one reply per rank in rank order. Raises RankFailure naming the rank(s).
 
         ``cancelled`` is polled while the ranks work (ComfyUI's interrupt flag): once it is true the ranks are asked
         to stop (ops that call ``RankContext.raise_if_cancelled`` stop at their next check, together) and the call
-        raises CallCancelled within CANCEL_GRACE_S, tearing the pool down if they did not stop in time."""
+        raises CallCancelled within CANCEL_GRACE_S, tearing the pool down if they did not stop in time.
+        ``generation``: the one the caller's models were loaded in. If the pool died or was rebuilt since, the call
+        raises the RankFailure of that loss instead of running on fresh ranks that do not hold them (a rank that dies
+        between two steps would otherwise turn into a missing-model error from the rebuilt pool)."""
         with self._lock:
+            if generation is not None and (generation != self._generation or not self.alive):
+                raise self._lost(op)
             self.start()
             packet = self._inputs.pack(tensors)
             self._calls += 1
@@ -493,6 +499,17 @@ class RankPool:
         if not kept:
             self._teardown(graceful=False)
         raise failure
+
+    def _lost(self, op: str) -> RankFailure:
+        """What a call for models of an older generation gets: the death of the rank that ended it (the pool is torn
+        down, so the next use rebuilds it), or word that the pool was rebuilt or closed since they were loaded."""
+        dead = [r.rank for r in self._ranks if _exited(r)]
+        if dead:
+            failure = self._death_failure(op, dead[0])
+            self._teardown(graceful=False)
+            return failure
+        return RankFailure(f"{op!r} was for models loaded on ranks that have since been restarted or closed (after a "
+                           "rank failure or a cancelled call); they are loaded again on next use")
 
     def _death_failure(self, op: str | None, rank: int) -> RankFailure:
         """``op`` None: it died between calls."""

@@ -190,7 +190,8 @@ class ShardedModule:
         payload["kwargs"] = {k: ref(k, v) for k, v in kwargs.items()}
         payload["cache_drop"] = self._plan_cache(used)
         try:
-            replies = self.pool.call(OPS + "forward", payload, tensors, timeout=timeout, cancelled=cancelled)
+            replies = self.pool.call(OPS + "forward", payload, tensors, timeout=timeout, cancelled=cancelled,
+                                     generation=self._generation)
         except (RankFailure, CallCancelled):
             self._cache.reset()
             raise
@@ -225,7 +226,8 @@ class ShardedModule:
 
         payload = {"handle": self.handle, "method": method, "args": [ref(f"arg{i}", a) for i, a in enumerate(args)],
                    "kwargs": {k: ref(k, v) for k, v in kwargs.items()}}
-        replies = self.pool.call(OPS + "call", payload, tensors, timeout=timeout, cancelled=cancelled)
+        replies = self.pool.call(OPS + "call", payload, tensors, timeout=timeout, cancelled=cancelled,
+                                 generation=self._generation)
         return replies[0].tensors.get("out", replies[0].payload.get("out"))
 
     def _plan_cache(self, used: list[str]) -> list[str]:
@@ -250,7 +252,7 @@ class ShardedModule:
         if not self.loaded:
             return []
         replies = self.pool.call(OPS + "release_cached_memory", {"handle": self.handle}, timeout=timeout,
-                                 cancelled=cancelled)
+                                 cancelled=cancelled, generation=self._generation)
         return [r.payload for r in replies]
 
     def describe(self) -> list[dict]:

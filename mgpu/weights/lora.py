@@ -97,7 +97,8 @@ class PatchedModule(ShardedModule):
             return []
         self._on_ranks = object()   # a failed or cancelled call leaves the ranks in doubt: send again next time
         replies = [r.payload for r in self.pool.call(APPLY, {"handle": self.handle, "patches": wanted.patches},
-                                                     wanted.tensors, timeout=timeout, cancelled=cancelled)]
+                                                     wanted.tensors, timeout=timeout, cancelled=cancelled,
+                                                     generation=self._generation)]
         self._on_ranks = wanted.key
         if wanted.patches:
             log.info("weight patches for %d weights sent to the ranks: %d bytes (%d weights stored quantized patched "
