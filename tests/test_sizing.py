@@ -269,6 +269,13 @@ def test_an_ltx2_text_encoder_is_planned_with_the_projection_its_checkpoint_hold
     assert bare.text_encoder_parts is None and text_encoder_for(gemma, bare) is gemma   # no projection: no parts
     back = ComponentSize.from_dict(json.loads(json.dumps(dit.to_dict())))
     assert back == dit and isinstance(back.text_encoder_parts, ComponentSize)
+    # the projection is counted with the text encoder, so the DiT's sizing does not call it "not counted"; what the
+    # checkpoint holds besides (its VAE) still is
+    assert not any("text_embedding_projection" in w for w in dit.warnings)
+    with_vae = {**ltx2_checkpoint(L.ltx2_tiny(), 64, 3, 48), **L.with_prefix(L.wan_vae_tiny(), "vae.")}
+    whole = size_component(L.write_safetensors(tmp_path / "ltx-2-all.safetensors", with_vae, sparse=True))
+    (warning,) = [w for w in whole.warnings if "not counted" in w]
+    assert "'vae.'" in warning and "text_embedding_projection" not in warning
 
 
 def test_a_gemma_file_holding_the_projection_puts_it_after_its_blocks_and_is_not_counted_twice(tmp_path):

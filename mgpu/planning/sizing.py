@@ -707,9 +707,12 @@ def size_component(path: str | os.PathLike, prefix: str | None = None) -> Compon
         warnings.append(f"{path}: not a recognised model family ({len(tensors)} tensors{named}, e.g. {sample}); "
                         "sized generically, memory estimates will be rough.")
         detection = _Detection("unknown", "unknown", {})
-    warnings += detection.warnings + _other_parts(path, everything, prefix)
-    size = _sized(path, tensors, detection, prefix, warnings)
     parts = ltx2_text_encoder_parts(everything)
+    # an LTX-2 checkpoint's projection is counted with the text encoder that loads it: not among "not counted"
+    counted_elsewhere = parts if detection.kind != "text_encoder" else {}
+    warnings += detection.warnings + _other_parts(
+        path, {k: t for k, t in everything.items() if k not in counted_elsewhere}, prefix)
+    size = _sized(path, tensors, detection, prefix, warnings)
     if detection.kind == "text_encoder":   # a Gemma file that holds LTX-2's projection too: it comes last
         return replace(size, bytes_after_blocks=sum(t.nbytes for k, t in tensors.items() if prefix + k in parts))
     if parts:
