@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+import tiny_models as tm
+from sp_ltxv_models import has_ltxav  # noqa: F401 - the xfail condition of the LTX-2 bench test
 
 from comfyui_env import SKIP_REASON, find_comfyui
 from mgpu.planning.estimates import (COMFYUI_EXTRA_RESERVED_BYTES, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES,
@@ -82,6 +84,44 @@ def test_sp_bench_measures_the_exchanges_of_a_token_split_step(tmp_path):
     assert moved["output_gather"] == 60 * 64 * 4
     assert moved["fsdp_all_gather_kept"] == 0 < moved["fsdp_all_gather_resharded"]
     assert report["step_ratio"] > 0 and all(x > 0 for x in report["activation_bytes"]["live_peak_2"])
+
+
+@pytest.mark.comfyui
+@pytest.mark.skipif(tm.comfyui_path() is None, reason=SKIP_REASON)
+@pytest.mark.xfail("tm.comfyui_path() is None or not has_ltxav()", run=False, strict=True,
+                   reason="not applicable: this ComfyUI has no LTX-2 (LTXAVModel)")
+@pytest.mark.timeout(600)
+def test_sp_bench_measures_ltx2s_video_split_and_its_audio_key_value_gathers(tmp_path):
+    """bench/bench_sp.py --model ltx2 --quick: ComfyUI's LTXAVModel (video 2 heads x 16, audio 2 x 8, 2 blocks), its
+    120 video tokens split 1 x 2 (the 16 audio tokens whole on each rank), outputs equal to 1 rank's on both streams.
+    Per block: one all-to-all of the stacked q/k/v and one of the attention output (the other rank's 60 tokens x 16
+    of the 32 dims x 4 bytes, 3 + 1 times), and one all-gather of the audio queries' video keys and values, counted
+    apart from the output gather: 2 x 60 tokens x the audio's 16 dims x 4 bytes; the output gather 60 x 32 x 4."""
+    out = tmp_path / "sp_ltx2.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_sp.py"), "--model", "ltx2", "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=580,
+                          env={**ENV, "COMFYUI_PATH": tm.comfyui_path()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LTXAVModel" in proc.stdout and "ratio 2/1" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["split"] == [1, 2]
+    assert set(report["relative_difference_per_stream"]) == {"video", "audio"}
+    assert report["max_relative_difference"] <= 1e-4
+    moved = report["bytes_per_step_from_other_ranks"]
+    assert report["all_to_all_calls_per_step"] == 2 * 2 and moved["all_to_all"] == 2 * (3 + 1) * 60 * 16 * 4
+    assert report["kv_all_gather_calls_per_step"] == 2 and moved["kv_all_gather"] == 2 * 2 * 60 * 16 * 4
+    assert moved["output_gather"] == 60 * 32 * 4
+    assert moved["fsdp_all_gather_kept"] == 0 < moved["fsdp_all_gather_resharded"]
+
+
+def test_sp_bench_ltx2_without_comfyui_033_says_what_to_do(tmp_path):
+    """--model ltx2 where COMFYUI_PATH names no ComfyUI with LTX-2 (as 0.3.64, or any other folder): it stops before
+    starting ranks, naming the missing network and how to run it."""
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_sp.py"), "--model", "ltx2", "--quick"],
+                          capture_output=True, text=True, timeout=120, env={**ENV, "COMFYUI_PATH": str(tmp_path)})
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "needs ComfyUI 0.33" in proc.stderr and f"COMFYUI_PATH={tmp_path} has no" in proc.stderr
+    assert "av_model.py" in proc.stderr and "--model ltx2" in proc.stderr
 
 
 def _work_dirs() -> set[str]:
