@@ -238,3 +238,15 @@ def test_bad_requests_raise_clear_errors(sizes):
         Workload(frames=0)
     with pytest.raises(SizingError, match="smaller than one latent pixel"):
         dit_tokens(sizes["ltxv"], Workload(16, 16, 9))
+
+
+def test_sequence_parallelism_divides_the_activations_except_ltx2s(tmp_path):
+    """Wan's ranks each hold 1/sp of the tokens' activations; LTX-2's keep the audio stream and much of the video's
+    per-token state whole (0.79 of one rank's activation peak at 2 ranks, bench/bench_sp.py --model ltx2): the plan
+    does not count on SP to shrink them."""
+    wl = Workload(1280, 720, 81, 1, cfg=False)
+    wan = size_component(L.write_safetensors(tmp_path / "wan.safetensors", L.wan21_t2v_14b(), sparse=True))
+    ltx2 = size_component(L.write_safetensors(tmp_path / "ltx2.safetensors", L.ltx2_19b(), sparse=True))
+    one, two = (dit_working_bytes(wan, wl, comfyui=False, sp=sp) for sp in (1, 2))
+    assert two < 0.6 * one
+    assert dit_working_bytes(ltx2, wl, comfyui=False, sp=2) == dit_working_bytes(ltx2, wl, comfyui=False, sp=1)

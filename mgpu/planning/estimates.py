@@ -185,6 +185,11 @@ def comfyui_reservation_bytes(memory_required: int) -> int:
     return max(COMFYUI_MIN_INFERENCE_BYTES, memory_required + COMFYUI_EXTRA_RESERVED_BYTES)
 
 
+# Families whose sequence parallelism does not cut the per-rank activations by the degree. LTX-2: measured 0.79 of
+# one rank's live activation peak at 2 ranks (bench/bench_sp.py --model ltx2, bench/RESULTS.md), Wan 0.57-0.61.
+SP_KEEPS_ACTIVATIONS = ("ltx2",)
+
+
 def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = None, act_bytes: int = 2,
                       attention: str = "sdpa", comfyui: bool = True, sp: int = 1) -> int:
     """Working memory of the DiT over ``batch`` (default: the workload's CFG batch), by the budget rule.
@@ -192,9 +197,11 @@ def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = 
     ``comfyui``: ComfyUI runs it (single device), so its reservation for that batch must fit too (families ComfyUI's
     rule is known for); False on FSDP ranks, whose buffers ``fsdp_buffer_bytes`` adds. ``sp``: the sequence-parallel
     degree; each rank holds 1/sp of the tokens (in attention all tokens of 1/sp of the heads: the same bytes).
+    Not for LTX-2 (``SP_KEEPS_ACTIVATIONS``): its ranks keep the audio stream and much of the video's per-token
+    state whole, so its activations are counted as on one rank.
     """
     b = wl.dit_batch if batch is None else batch
-    tokens = math.ceil(dit_tokens(size, wl) / sp)
+    tokens = math.ceil(dit_tokens(size, wl) / (1 if size.family.startswith(SP_KEEPS_ACTIVATIONS) else sp))
     ours = math.ceil(ACTIVATION_SAFETY * dit_activation_bytes(size, tokens, b, act_bytes=act_bytes,
                                                               attention=attention))
     if comfyui and comfyui_memory_usage_factor(size) is not None:
