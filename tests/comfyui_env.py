@@ -93,6 +93,27 @@ def comfyui_version(comfyui: Path) -> str:
     return "unknown"
 
 
+_RESULT_MARK = "@@RESULT@@"
+
+
+def run_checks(module: str, check: str, *args: Any, timeout: float = 600) -> Any:
+    """``<module>.<check>(*args)`` (a module of tests/) in a fresh interpreter where ComfyUI (first on the path, so
+    its ``nodes`` module wins over this pack's package) runs on the CPU; returns what it returns, through JSON."""
+    comfyui = find_comfyui()
+    if comfyui is None:
+        pytest.skip(SKIP_REASON)
+    tests = Path(__file__).resolve().parent
+    code = (f"import sys, json\nsys.path[:0] = [{str(comfyui)!r}, {str(tests)!r}, {str(tests.parent)!r}]\n"
+            f"from comfy.cli_args import args\nargs.cpu = True\nimport {module} as checks\n"
+            f"print({_RESULT_MARK!r} + json.dumps(checks.{check}(*{args!r})))\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=comfyui, capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)
+    found = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_MARK)]
+    assert proc.returncode == 0 and found, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(found[-1][len(_RESULT_MARK):])
+
+
 class PromptRejected(RuntimeError):
     """POST /prompt answered 400 (validation failed); `.body` holds ComfyUI's error and node_errors."""
 

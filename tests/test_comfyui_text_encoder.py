@@ -10,36 +10,17 @@ Skipped without a ComfyUI checkout (COMFYUI_PATH).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui
+from comfyui_env import ComfyServer, run_checks
 
 pytestmark = pytest.mark.comfyui
 
-TESTS = Path(__file__).resolve().parent
-MARK = "@@RESULT@@"
-
 
 def in_comfyui(check: str, *args: Any, timeout: float = 600) -> Any:
-    """``text_encoder_checks.<check>(*args)`` in a fresh interpreter where ComfyUI runs on the CPU."""
-    comfyui = find_comfyui()
-    if comfyui is None:
-        pytest.skip(SKIP_REASON)
-    code = (f"import sys, json\nsys.path[:0] = [{str(comfyui)!r}, {str(TESTS)!r}, {str(TESTS.parent)!r}]\n"
-            "from comfy.cli_args import args\nargs.cpu = True\nimport text_encoder_checks as checks\n"
-            f"print({MARK!r} + json.dumps(checks.{check}(*{args!r})))\n")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=comfyui, capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
-    found = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    assert proc.returncode == 0 and found, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(found[-1][len(MARK):])
+    return run_checks("text_encoder_checks", check, *args, timeout=timeout)
 
 
 def test_a_split_encoder_gives_the_one_device_conditioning(tmp_path: Path) -> None:

@@ -10,40 +10,22 @@ POST /prompt of a real server. Skipped without a ComfyUI checkout (COMFYUI_PATH)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image
 from comfy_checkpoints import write_tiny_wan21_t2v, write_wan21_vae
-from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui
+from comfyui_env import ComfyServer, run_checks
 
 pytestmark = pytest.mark.comfyui
 
-TESTS = Path(__file__).resolve().parent
-MARK = "@@RESULT@@"
 VAE = "mgpu_vae_decode_wan.safetensors"
 DIT = "mgpu_vae_decode_wan_dit.safetensors"   # for the MGPU Plan (its VAE is what matters here)
 
 
 def in_comfyui(check: str, folder: Path, timeout: float = 900) -> Any:
-    """``vae_decode_checks.<check>(folder)`` in a fresh interpreter where ComfyUI (first on the path, so its
-    ``nodes`` module wins over this pack's package) runs on the CPU."""
-    comfyui = find_comfyui()
-    if comfyui is None:
-        pytest.skip(SKIP_REASON)
-    code = (f"import sys, json\nsys.path[:0] = [{str(comfyui)!r}, {str(TESTS)!r}, {str(TESTS.parent)!r}]\n"
-            "from comfy.cli_args import args\nargs.cpu = True\nimport vae_decode_checks as checks\n"
-            f"print({MARK!r} + json.dumps(checks.{check}({str(folder)!r})))\n")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=comfyui, capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
-    found = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    assert proc.returncode == 0 and found, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(found[-1][len(MARK):])
+    return run_checks("vae_decode_checks", check, str(folder), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
