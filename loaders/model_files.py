@@ -20,17 +20,17 @@ from typing import Any
 from mgpu.planning.devices import Device, inventory, parse_spec
 from mgpu.errors import MgpuError, SizingError
 from mgpu.planning.estimates import Workload
-# phases_resident / phases_working are the partitioner's own rules: the chart's bars then add up to its numbers.
+# phases_resident / PHASE_OF are the partitioner's own rules: the chart's bars then add up to its numbers.
 from mgpu.planning.partition import (
     EXPERT_ROLES,
     ONE_AT_A_TIME,
+    PHASE_OF,
     PHASES,
     Component,
     Plan,
     Policy,
     make_plan,
     phases_resident,
-    phases_working,
 )
 from mgpu.planning.sizing import ComponentSize, size_component
 
@@ -281,7 +281,7 @@ def chart(plan: Plan) -> list[dict]:
                     segments.append({"kind": "dit" if p.role in EXPERT_ROLES else p.role,
                                      "label": f"{what} weights{which}", "bytes": p.resident_bytes[use.device]})
             working = max((p.working_bytes.get(use.device, 0) for p in plan.placements
-                           if phase in phases_working(p.role)), default=0)   # of two experts, one runs at a time
+                           if phase == PHASE_OF[p.role]), default=0)   # of two experts, one runs at a time
             if working:
                 segments.append({"kind": "working", "label": f"{_ROLE_LABEL[_RUNS_IN[phase]]} working",
                                  "bytes": working})

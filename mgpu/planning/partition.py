@@ -12,7 +12,7 @@ Memory model (every number is an estimate from `mgpu.planning.estimates`, and th
   every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank. Its working memory
   counts in the sample phase only: when sampling ends the ranks give back what their caching allocators kept
   (``loaders.diffusion.ShardedModelPatcher.cleanup``), so the VAE decode and the next prompt's text encoder can use
-  it (``phases_working``).
+  it (``PHASE_OF``).
 * The VAE decodes on one GPU when the whole decode fits beside what that GPU holds at decode time (a short video);
   else its tiles are split over every GPU with room for a VAE copy and one tile (MGPU VAE Decode,
   ``estimates.vae_parallel_decode_bytes``: the same per GPU whatever the video's length); else tiled on one GPU;
@@ -52,7 +52,10 @@ from mgpu.planning.sizing import ComponentSize, text_encoder_for
 
 ROLES = ("text_encoder", "dit", "dit_low_noise", "vae")
 PHASES = ("encode", "sample", "decode")
-_PHASE_OF = {"text_encoder": "encode", "dit": "sample", "dit_low_noise": "sample", "vae": "decode"}
+# The phase each role runs in: its working memory occupies its devices then only. An FSDP DiT's ranks would keep
+# what sampling used in their caching allocators; they give it back when sampling ends
+# (``loaders.diffusion.ShardedModelPatcher.cleanup``).
+PHASE_OF = {"text_encoder": "encode", "dit": "sample", "dit_low_noise": "sample", "vae": "decode"}
 # A DiT in two experts (Wan 2.2 A14B): "dit" denoises the first steps (high noise), "dit_low_noise" the rest.
 EXPERT_ROLES = ("dit", "dit_low_noise")
 BOTH_RESIDENT, ONE_AT_A_TIME = "both_resident", "one_at_a_time"
@@ -220,19 +223,12 @@ def phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]
     return ("decode",)
 
 
-def phases_working(role: str) -> tuple[str, ...]:
-    """The phases in which a component's working memory occupies its devices: the one it runs in, whatever the
-    strategy. An FSDP DiT's ranks would keep what sampling used in their caching allocators, where only they can
-    reuse it; they give it back when sampling ends (``loaders.diffusion.ShardedModelPatcher.cleanup``)."""
-    return (_PHASE_OF[role],)
-
-
 def _need(role: str, strategy: str, policy: Policy, resident: dict[str, int], working: dict[str, int]) -> dict:
     need: dict[str, dict[str, int]] = {}
     for dev in set(resident) | set(working):
         need[dev] = {ph: resident.get(dev, 0) for ph in phases_resident(role, strategy, policy)}
-        for ph in phases_working(role):
-            need[dev][ph] = need[dev].get(ph, 0) + working.get(dev, 0)
+        run = PHASE_OF[role]
+        need[dev][run] = need[dev].get(run, 0) + working.get(dev, 0)
     return need
 
 
