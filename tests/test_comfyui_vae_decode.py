@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from PIL import Image
 from comfy_checkpoints import write_tiny_wan21_t2v, write_wan21_vae
-from comfyui_env import ComfyServer, run_checks
+from comfyui_env import ComfyServer, find_comfyui, run_checks
 
 pytestmark = pytest.mark.comfyui
 
@@ -199,3 +199,16 @@ def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
     (err,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
     assert err["node_type"] == "MgpuVAEDecode"
     assert err["exception_message"].startswith("MGPU VAE Decode: device 'cuda:5' in devices 'cpu,cuda:5' does not")
+
+
+def test_copies_of_a_dynamic_vram_vae_leave_its_device_state_behind(tmp_path):
+    """ComfyUI 0.33 on an NVIDIA GPU: lazily built layers with comfy-aimdo's per-device handles (see the check).
+    ComfyUI 0.3.x has no dynamic VRAM: the check says so, and the tree under test must then lack comfy-aimdo."""
+    facts = in_comfyui("check_dynamic_vram", tmp_path)
+    assert facts["applies"] == ("comfy-aimdo" in (find_comfyui() / "requirements.txt").read_text())
+    if not facts["applies"]:
+        return
+    assert facts["comfy_layers"] > 10
+    assert facts["max_diff_two"] == 0.0
+    assert facts["split"]["tiles_per_network"] == [4, 4] and not facts["split"]["copies_share_weights"]
+    assert facts["state_kept_on_original"]

@@ -258,3 +258,42 @@ def check_plan(_folder: str) -> dict:
             "split": split(vae, two_calls), "one": split(vae, one_calls), "whole": split(vae, whole_calls),
             "missing": missing,
             "missing_decoded": missing_decoded}
+
+
+class _DeviceHandle:
+    """Stands in for comfy-aimdo's per-device handles (vbar, pinned host buffers): C pointers that cannot be copied."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a comfy-aimdo device handle cannot be copied")
+
+
+def check_dynamic_vram(_folder: str) -> dict:
+    """ComfyUI 0.33's dynamic VRAM (comfy-aimdo) on an NVIDIA GPU: ComfyUI's layers are built as under it
+    (``aimdo_enabled`` on while the VAE is made: Linear/Embedding lazily) and the VAE's patcher is a
+    ModelPatcherDynamic that ties a vbar signature and pinned host buffers to each ComfyUI layer and to the model.
+    comfy-aimdo does not start without a GPU, so that state is attached as handles that refuse to be copied, where
+    ModelPatcherDynamic puts it. The copies for the other devices must leave it behind, decode with their own
+    weights and give VAE Decode (Tiled)'s result."""
+    import comfy.memory_management
+
+    if not hasattr(comfy.memory_management, "aimdo_enabled"):
+        return {"applies": False}
+    comfy.memory_management.aimdo_enabled = True
+    try:
+        vae = wan_vae()
+    finally:
+        comfy.memory_management.aimdo_enabled = False
+    net = vae.first_stage_model
+    lazy = [m for m in net.modules() if hasattr(m, "comfy_cast_weights")]   # ComfyUI's own layers
+    for m in lazy:
+        m._v_signature, m._pin_state = _DeviceHandle(), _DeviceHandle()
+    net.dynamic_vbars, net.dynamic_pins, net.dynamic_patchers = {"cuda:0": _DeviceHandle()}, {"cuda:0": _DeviceHandle()}, {1}
+    calls = Calls(type(net))
+    samples = latent(1, 16, 3, 10, 10)
+    with torch.inference_mode():
+        ref = stock(vae, samples)
+        calls.take()
+        two = mgpu(vae, samples, "cpu,cpu")
+        seen = calls.take()
+    return {"applies": True, "comfy_layers": len(lazy), "max_diff_two": _diff(two, ref), "split": split(vae, seen),
+            "state_kept_on_original": all(hasattr(m, "_pin_state") for m in lazy) and hasattr(net, "dynamic_pins")}
