@@ -167,6 +167,52 @@ def shard(model: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str] | None = 
     return model
 
 
+def reset_after_failed_forward(root: FSDPModule) -> None:
+    """Make the next forward of ``root`` start as a first one does, after a forward that raised midway (a cancel
+    between blocks, CUDA OOM, bad input): every unit resharded, no all-gather pending, no forward in progress.
+
+    ``reshard()`` alone is not enough: the unit the failed forward prefetched keeps its pending all-gather, which
+    its next ``unshard`` reuses (weights changed since, e.g. LoRA rows, are missed for one step: the output was off
+    by 0.4 to 1.95 on CPU ranks); the root stays in its forward, so a kept-gathered root is never resharded (writes to
+    its shard never show) and the next forward skips the root pre-forward and, on GPUs, its
+    ``all_gather_copy_in_stream.wait_stream(current_stream)``: the first all-gathers race the default stream's
+    writes. torch >= 2.13 has ``FSDPModule.reset_iter_state()`` for this; torch 2.11 (and 2.12) lack it,
+    so the same forward-side reset is done on their FSDP2 internals (read from 2.11's source; nothing here runs a
+    backward): wait for and drop pending all-gathers, every state and parameter group back to idle, then reshard.
+    A root that never started a forward has nothing to reset.
+    """
+    state = root._get_fsdp_state()
+    if state._is_root is None:
+        return
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    stream = state._device_handle.current_stream()
+    if (saved := state._comm_ctx.all_gather_state) is not None:
+        if saved.event is not None:
+            stream.wait_event(saved.event)
+        state._comm_ctx.all_gather_state = None
+    state._comm_ctx.post_forward_order.clear()   # backward's record of the forward: grows every no-grad step
+    for unit in state._state_ctx.all_states:
+        unit._training_state = TrainingState.IDLE
+        group = unit._fsdp_param_group
+        if group is None:
+            continue
+        if (pending := group._all_gather_result) is not None:
+            if pending.all_gather_event is not None:
+                stream.wait_event(pending.all_gather_event)
+            if isinstance(pending.all_gather_work, dist.distributed_c10d.Work):
+                pending.all_gather_work.wait()
+            group._all_gather_result = None
+        group._post_forward_indices.clear()
+        group._training_state = TrainingState.IDLE   # reshard() skips a kept-gathered group still in FORWARD
+        group.reshard()
+    state._state_ctx.iter_forward_root = None
+
+
 def _prefetch_in_execution_order(root: FSDPModule, units: list[FSDPModule], depth: int) -> None:
     """Make each unit prefetch the ``depth`` units that run after it, in the order the first forward runs them.
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from mgpu.families import Layout, Layouts, parallelize
-from mgpu.sharding.fsdp import build_meta, compute_dtype_for, materialize, shard
+from mgpu.sharding.fsdp import build_meta, compute_dtype_for, materialize, reset_after_failed_forward, shard
 from mgpu.weights.gguf import GGUFWeight, is_gguf, load_gguf_sharded, wrap_gguf_parameters
 from mgpu.weights.quant import FP8_DTYPES
 from mgpu.ranks.rank import RankContext, Tensors, import_path
@@ -217,12 +217,12 @@ def call(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tenso
 
 
 def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
-    """A forward that raised (CUDA OOM, bad input) leaves blocks gathered and memory cached; the pool survives an
-    error every rank raised, so give the memory back before the caller retries, and drop the cached context
-    (the host forgets its mirror of it on any failure)."""
-    for module in entry["model"].modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    """A forward that raised (a cancel between blocks, CUDA OOM, bad input) leaves blocks gathered, a prefetched
+    all-gather pending and FSDP's forward marked as running, and memory cached; the pool survives an error every
+    rank raised, so reset FSDP (the next forward, after a LoRA change too, gathers the current shards) and give the
+    memory back before the caller retries, and drop the cached context (the host forgets its mirror of it on any
+    failure)."""
+    reset_after_failed_forward(entry["model"])
     entry["cache"].clear()
     if ctx.torch_device.type == "cuda":
         torch.cuda.empty_cache()
