@@ -141,7 +141,7 @@ def test_a_self_attention_the_hooks_cannot_follow_is_refused_by_name(change: str
         attn.processor = AttnProcessor2_0()
     else:
         attn.fused_projections = True
-    state = _SpForward({2: types.SimpleNamespace(get_group=lambda: None, get_local_rank=lambda: 0)}, HEADS, (1, 2, 2))
+    state = _SpForward({2: types.SimpleNamespace(rank=lambda: 0)}, HEADS, (1, 2, 2))
     state.select(2)
     state.sizes = token_sizes(TOKENS, 2)
     with pytest.raises(ShardingError, match="sp_degree 1") as e:

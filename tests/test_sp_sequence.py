@@ -112,11 +112,10 @@ def _rank_main(rank: int, world: int, workdir: str) -> None:
         for tokens in (45, 7, world - 1, 1):   # uneven chunks; fewer tokens than ranks leaves some empty
             _check_exchanges(group, world, rank, tokens, seed=tokens)
         if world == 4:   # ("cfg", "sp") = (2, 2): each pair exchanges its own sample only
-            from mgpu.families import _cfg_sp_mesh
+            from mgpu.families import sequence_groups
 
-            two_d = _cfg_sp_mesh("cpu", 2, 2)
-            cfg = two_d.get_local_rank("cfg")
-            _check_exchanges(two_d["sp"].get_group(), 2, two_d.get_local_rank("sp"), 45, seed=100 * (cfg + 1))
+            cfg, position = divmod(rank, 2)
+            _check_exchanges(sequence_groups([2])[2], 2, position, 45, seed=100 * (cfg + 1))
         if world == 3:
             _check_fallback(rank, world, mesh, workdir)
         Path(f"{workdir}/ok{rank}").touch()

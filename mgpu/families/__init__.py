@@ -2,11 +2,11 @@
 
 The registry is keyed by the network's class name (ComfyUI's ``WanModel``, ``LTXVModel``, ``LTXAVModel``; diffusers'
 ``WanTransformer3DModel``); adapters hook the model's own modules on the rank, never import ComfyUI, never copy
-its code. ``parallelize`` turns the ranks into a 2-D mesh
+its code. ``parallelize`` views the ranks as a 2-D grid
 ("cfg" x "sp"): the cfg groups split the batch (CFG cond/uncond rows), the ranks of one group split each sample's
-tokens (Ulysses sequence parallelism). The split is chosen per forward from its batch rows (``Layouts``), among
-the degrees the model's heads allow. FSDP still shards the parameters over all the ranks. A family without an
-adapter keeps FSDP + batch split, and says so.
+tokens (Ulysses sequence parallelism) and exchange them over a process group of their own (``sequence_groups``).
+The split is chosen per forward from its batch rows (``Layouts``), among the degrees the model's heads allow. FSDP
+still shards the parameters over all the ranks. A family without an adapter keeps FSDP + batch split, and says so.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.families.sequence import SpDegree, choose_sp_degree
 from mgpu.planning.parallel import best_split
@@ -37,8 +38,8 @@ class Family:
     """What an adapter module exports as ``FAMILY``."""
 
     heads: Callable[[nn.Module], int]   # attention heads: a degree must divide them
-    # installs the SP hooks for each degree's "sp" mesh (torchtitan style); returns the switch: select(degree)
-    parallelize: Callable[[nn.Module, dict[int, DeviceMesh]], Callable[[int], None]]
+    # installs the SP hooks for each degree's sequence group (torchtitan style); returns the switch: select(degree)
+    parallelize: Callable[[nn.Module, dict[int, dist.ProcessGroup]], Callable[[int], None]]
 
 
 @dataclass(frozen=True)
@@ -72,16 +73,27 @@ def plan_sp_degree(model: nn.Module, wanted: int, ranks: int) -> SpDegree:
     return choose_sp_degree(family.heads(model), wanted, ranks, name)
 
 
-_meshes: dict[tuple[str, int, int], DeviceMesh] = {}
+_groups: dict[int, dist.ProcessGroup] = {}
 
 
-def _cfg_sp_mesh(device_type: str, cfg: int, sp: int) -> DeviceMesh:
-    """The ("cfg", "sp") mesh over all ranks, made once per shape: each makes process groups (NCCL communicators
-    cost GPU memory), and a rank process outlives its models."""
-    key = (device_type, cfg, sp)
-    if key not in _meshes:
-        _meshes[key] = init_device_mesh(device_type, (cfg, sp), mesh_dim_names=("cfg", "sp"))
-    return _meshes[key]
+def sequence_groups(degrees: list[int]) -> dict[int, dist.ProcessGroup]:
+    """This rank's sequence-parallel group of each degree > 1 in ``degrees``: ranks ``[g * d, (g + 1) * d)`` for
+    cfg group g. Collective: every rank calls it with the same degrees (``new_group`` is collective over WORLD, so
+    every group of a degree is made, in rank order, on every rank).
+
+    Groups of their own, never the default group that FSDP's 1-D mesh all-gathers on: ``DeviceMesh`` hands out the
+    default group for a dimension that spans every rank (a 1 x N split, torch 2.11 and 2.13), and on NCCL one group
+    is one stream, so the self-attention all-to-alls would queue behind the next block's prefetched all-gather. Made
+    once per degree (each is an NCCL communicator on every member rank, which costs GPU memory) and kept: a rank
+    process outlives its models. Nothing communicates over the cfg groups (each computes its own rows), so none
+    is made for them."""
+    ranks = dist.get_world_size()
+    for degree in sorted(d for d in degrees if d > 1 and d not in _groups):
+        for first in range(0, ranks, degree):
+            group = dist.new_group(list(range(first, first + degree)))
+            if first <= dist.get_rank() < first + degree:
+                _groups[degree] = group
+    return {d: _groups[d] for d in degrees if d > 1}
 
 
 class Layouts:
@@ -118,5 +130,4 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int) -> Layouts:
     family = family_of(model)
     heads = family.heads(model)
     degrees = [d for d in range(1, chosen.degree + 1) if ranks % d == 0 and heads % d == 0]
-    meshes = {d: _cfg_sp_mesh(mesh.device_type, ranks // d, d)["sp"] for d in degrees if d > 1}
-    return Layouts(ranks, degrees, chosen.note, family.parallelize(model, meshes))
+    return Layouts(ranks, degrees, chosen.note, family.parallelize(model, sequence_groups(degrees)))

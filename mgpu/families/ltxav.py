@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed import ProcessGroup
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
@@ -151,15 +151,15 @@ def _guide_attention(model: nn.Module) -> Callable | None:
     return next((getattr(m, _GUIDE_ATTENTION) for m in modules if hasattr(m, _GUIDE_ATTENTION)), None)
 
 
-def parallelize_ltxav(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:
-    """Hooks that split ``model``'s video tokens over the "sp" mesh of the degree selected (``meshes``: degree ->
-    1-D mesh of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called."""
+def parallelize_ltxav(model: nn.Module, groups: dict[int, ProcessGroup]) -> Callable[[int], None]:
+    """Hooks that split ``model``'s video tokens over the sequence group of the degree selected (``groups``: degree
+    -> process group of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called."""
     heads = heads_of(model)
-    bad = [d for d in meshes if heads % d]
+    bad = [d for d in groups if heads % d]
     if bad:
         raise ShardingError(f"LTXAVModel has {heads} video attention heads, which sequence-parallel degree {bad[0]} "
                             "does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
-    state = _AvSpForward(meshes, _guide_attention(model))
+    state = _AvSpForward(groups, _guide_attention(model))
     model.register_forward_pre_hook(state.begin)
     model.register_forward_hook(state.finish)
     for block in model.transformer_blocks:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed import ProcessGroup
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
@@ -51,8 +51,8 @@ class _SpForward(SequenceGroups):
 
     model = "LTXVModel"
 
-    def __init__(self, meshes: dict[int, DeviceMesh], guide_attention: Callable | None):
-        super().__init__(meshes)
+    def __init__(self, groups: dict[int, ProcessGroup], guide_attention: Callable | None):
+        super().__init__(groups)
         self.guide_attention = guide_attention
         self.begin(None, ())
 
@@ -158,18 +158,18 @@ class _SpForward(SequenceGroups):
         return exchanged_attention(attend, q, k, v, heads, self.sizes, self.group)
 
 
-def parallelize_ltxv(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:
-    """Hooks that split ``model``'s tokens over the "sp" mesh of the degree selected (``meshes``: degree -> 1-D
-    mesh of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called.
+def parallelize_ltxv(model: nn.Module, groups: dict[int, ProcessGroup]) -> Callable[[int], None]:
+    """Hooks that split ``model``'s tokens over the sequence group of the degree selected (``groups``: degree ->
+    process group of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called.
 
-    Every rank of the selected mesh must run each forward with the same batch rows: they compute one sample together."""
+    Every rank of the chosen group must run each forward with the same batch rows: they compute one sample together."""
     heads = heads_of(model)
-    bad = [d for d in meshes if heads % d]
+    bad = [d for d in groups if heads % d]
     if bad:
         raise ShardingError(f"{type(model).__name__} has {heads} attention heads, which sequence-parallel degree "
                             f"{bad[0]} does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
     guide_attention = getattr(inspect.getmodule(type(model)), _GUIDE_ATTENTION, None)
-    state = _SpForward(meshes, guide_attention)
+    state = _SpForward(groups, guide_attention)
     model.register_forward_pre_hook(state.begin)
     adaln = model.adaln_single
     adaln.register_forward_hook(functools.partial(state.timestep_output, inspect.signature(adaln.forward)),

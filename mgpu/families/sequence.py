@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from mgpu.errors import ShardingError
 
@@ -25,8 +24,8 @@ class SequenceGroups:
 
     model = "the model"   # the network's class name, for messages
 
-    def __init__(self, meshes: dict[int, DeviceMesh]):
-        self.groups = {d: (m.get_group(), m.get_local_rank()) for d, m in meshes.items()}
+    def __init__(self, groups: dict[int, dist.ProcessGroup]):
+        self.groups = {d: (g, g.rank()) for d, g in groups.items()}
         self.parts, self.group, self.index = 1, None, 0
 
     def select(self, degree: int) -> None:

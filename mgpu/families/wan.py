@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed import ProcessGroup
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
@@ -39,8 +39,8 @@ class _SpForward(SequenceGroups):
     """One model's sequence split; ``select`` picks the degree for the next forwards (1: every hook passes through),
     ``sizes`` is set by the first block of each forward, cleared when one starts."""
 
-    def __init__(self, meshes: dict[int, DeviceMesh], model: str):
-        super().__init__(meshes)
+    def __init__(self, groups: dict[int, ProcessGroup], model: str):
+        super().__init__(groups)
         self.model = model
         self.sizes: list[int] | None = None
 
@@ -134,17 +134,17 @@ class _SpForward(SequenceGroups):
                                    q, k, v, heads, self.sizes, self.group)
 
 
-def parallelize_wan(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:
-    """Hooks that split ``model``'s tokens over the "sp" mesh of the degree selected (``meshes``: degree -> 1-D
-    mesh of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called.
+def parallelize_wan(model: nn.Module, groups: dict[int, ProcessGroup]) -> Callable[[int], None]:
+    """Hooks that split ``model``'s tokens over the sequence group of the degree selected (``groups``: degree ->
+    process group of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called.
 
-    Every rank of the selected mesh must run each forward with the same batch rows: they compute one sample together."""
+    Every rank of the chosen group must run each forward with the same batch rows: they compute one sample together."""
     name = type(model).__name__
-    bad = [d for d in meshes if model.num_heads % d]
+    bad = [d for d in groups if model.num_heads % d]
     if bad:
         raise ShardingError(f"{name} has {model.num_heads} attention heads, which sequence-parallel degree "
                             f"{bad[0]} does not divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
-    state = _SpForward(meshes, name)
+    state = _SpForward(groups, name)
     model.register_forward_pre_hook(state.begin)
     stacks = [(model.blocks, state.block_inputs), (getattr(model, "vace_blocks", ()), state.vace_inputs)]
     for blocks, inputs_hook in stacks:

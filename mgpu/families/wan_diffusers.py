@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed import ProcessGroup
 
 from mgpu.errors import ShardingError
 from mgpu.families import Family
@@ -50,8 +50,8 @@ class _SpForward(SequenceGroups):
 
     model = NAME
 
-    def __init__(self, meshes: dict[int, DeviceMesh], heads: int, patch: tuple[int, ...]):
-        super().__init__(meshes)
+    def __init__(self, groups: dict[int, ProcessGroup], heads: int, patch: tuple[int, ...]):
+        super().__init__(groups)
         self.heads, self.patch = heads, tuple(patch)
         self.sizes: list[int] | None = None
 
@@ -131,17 +131,17 @@ def _hook_self_attention(attn: nn.Module, state: _SpForward) -> None:
     attn.to_out[0].register_forward_pre_hook(state.to_tokens)
 
 
-def parallelize_wan_diffusers(model: nn.Module, meshes: dict[int, DeviceMesh]) -> Callable[[int], None]:
-    """Hooks that split ``model``'s tokens over the "sp" mesh of the degree selected (``meshes``: degree -> 1-D mesh
+def parallelize_wan_diffusers(model: nn.Module, groups: dict[int, ProcessGroup]) -> Callable[[int], None]:
+    """Hooks that split ``model``'s tokens over the sequence group of the degree selected (``groups``: degree -> group
     of the ranks computing one sample together); returns ``select(degree)``, degree 1 until called.
 
-    Every rank of the selected mesh must run each forward with the same batch rows: they compute one sample together."""
+    Every rank of the chosen group must run each forward with the same batch rows: they compute one sample together."""
     heads = heads_of(model)
-    bad = [d for d in meshes if heads % d]
+    bad = [d for d in groups if heads % d]
     if bad:
         raise ShardingError(f"{NAME} has {heads} attention heads, which sequence-parallel degree {bad[0]} does not "
                             "divide; pick the degree with mgpu.families.sequence.choose_sp_degree")
-    state = _SpForward(meshes, heads, model.config.patch_size)
+    state = _SpForward(groups, heads, model.config.patch_size)
     model.register_forward_pre_hook(functools.partial(state.model_inputs, inspect.signature(model.forward)),
                                     with_kwargs=True)
     first = model.blocks[0]
