@@ -338,6 +338,27 @@ def test_one_rank_raising_while_others_wait_restarts_the_pool(pool):
     assert pids(pool) != before and pool.generation == generation + 1
 
 
+def test_on_nccl_only_refusals_keep_the_pool_and_any_other_error_on_every_rank_tears_it_down(pool, monkeypatch):
+    """The host's policy for NCCL, on gloo ranks (the backend the host believes it has faked): refusals on every
+    rank keep the ranks; a plain error on every rank (as a CUDA OOM after queueing an all-gather) tears them down,
+    and the error says why."""
+    before, generation = pids(pool), pool.generation
+    monkeypatch.setattr(pool, "_backend", "nccl", raising=False)
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_refuse", {"ranks": [0, 1]})
+    assert info.value.pool_kept and "the pool stays up" in str(info.value)
+    assert pids(pool) == before and pool.generation == generation
+    with pytest.raises(RankFailure) as info:
+        pool.call("test_pool:op_raise", {"ranks": [0, 1]})
+    err = info.value
+    assert not err.pool_kept and "boom on rank" in str(err)
+    assert "On NCCL a rank that raised may have left a collective queued on its GPU" in str(err)
+    assert "the pool was shut down and restarts on next use" in str(err)
+    assert wait_gone(before, 5) and not pool.alive
+    monkeypatch.undo()
+    assert pids(pool) != before and pool.generation == generation + 1
+
+
 def test_rank_sigkilled_in_a_collective_is_named_fast_and_the_pool_rebuilds(pool):
     before = pids(pool)
     generation = pool.generation
@@ -406,6 +427,65 @@ def test_rank_failing_to_start_reports_its_traceback_and_leaves_nothing_running(
     assert "No module named 'no_such_module_for_mgpu'" in info.value.traceback
     assert not pool.alive and pool.generation == 0
     assert set(psutil.Process().children()) <= children
+
+
+PROBE_SITECUSTOMIZE = """
+import os, time
+if os.environ.get("MGPU_TEST_PROBE"):
+    import torch.distributed as dist
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        if dist.get_rank() == 1 and not getattr(all_reduce, "done", False):   # the start-up check only
+            all_reduce.done = True
+            if os.environ["MGPU_TEST_PROBE"] == "wrong":
+                tensor[1] += 0.5          # rank 1's contribution arrives wrong
+            else:
+                time.sleep(60)            # rank 1 never joins
+        return real(tensor, *args, **kwargs)
+    dist.all_reduce = all_reduce
+"""
+
+
+def probe_pool(tmp_path: Path, mode: str | None, **kwargs) -> RankPool:
+    """Two cpu ranks whose start-up all-reduce rank 1 spoils (a sitecustomize on their sys.path) as ``mode`` says."""
+    (tmp_path / "sitecustomize.py").write_text(PROBE_SITECUSTOMIZE)
+    return RankPool(PoolConfig(["cpu", "cpu"], extra_sys_path=[str(tmp_path), TESTS], error_grace_s=GRACE_S,
+                               env={"MGPU_TEST_PROBE": mode} if mode else {}, **kwargs))
+
+
+def test_start_up_checks_one_all_reduce_and_logs_it(tmp_path, caplog):
+    pool = probe_pool(tmp_path, None)
+    try:
+        with caplog.at_level("INFO", logger="mgpu.ranks.pool"):
+            pool.start()
+        assert "2 gloo ranks up; the start-up all-reduce was correct on every rank" in caplog.text
+        assert pool.call("test_pool:op_all_reduce")[0].payload["sum"] == 3.0
+    finally:
+        pool.close()
+
+
+def test_a_wrong_start_up_all_reduce_fails_naming_the_rank(tmp_path):
+    pool = probe_pool(tmp_path, "wrong")
+    children = set(psutil.Process().children())
+    with pytest.raises(RankFailure) as info:
+        pool.start()
+    text = str(info.value)
+    assert info.value.rank == 1 and "start-up check" in text and "the contribution of rank 1 arrived wrong" in text
+    assert "rank 1: 2.5..2.5 instead of 2" in text
+    assert not pool.alive and pool.generation == 0 and set(psutil.Process().children()) <= children
+
+
+def test_a_start_up_all_reduce_that_does_not_finish_fails_within_its_limit(tmp_path):
+    pool = probe_pool(tmp_path, "hang", probe_timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        pool.start()
+    text = str(info.value)
+    assert time.monotonic() - t0 < 60
+    assert "did not finish within 2s" in text and info.value.rank == 1
+    assert "on rank 0 (cpu), waiting for the other ranks in it" in text and "on rank 1 (cpu), not even in" in text
+    assert not pool.alive
 
 
 def _wrong_key_client(sock: socket.socket, outcome: list) -> None:

@@ -14,10 +14,29 @@ directory, and gloo / NCCL are pinned to the loopback interface. The host never 
 rank over its own channel (an AF_UNIX socket in that directory; loopback TCP when the path is too long for AF_UNIX),
 authenticated with a per-pool key that reaches the ranks on stdin; a connection that fails the challenge or stays
 silent for ``HANDSHAKE_TIMEOUT_S`` is dropped. Tensors travel through ``mgpu.ranks.shm``. Every wait polls
-the rank processes, so a dead rank is reported as soon as it dies rather than at the timeout. Any failure that may
-leave ranks inconsistent (a death, a timeout, some ranks failing while others did not) tears the whole pool down,
-since the survivors are likely stuck in a collective; the next call starts a fresh pool and bumps ``generation`` so
-callers know to reload their models. When every rank raised, nothing is stuck and the pool is kept.
+the rank processes, so a dead rank is reported as soon as it dies rather than at the timeout.
+
+Start-up ends with one all-reduce of a known tensor on every rank, checked and timed (``mgpu.ranks.rank``): a GPU
+interconnect that NVML reports but that does not work fails there. On NCCL with P2P on, a failed or timed-out check
+restarts the ranks once with ``NCCL_P2P_DISABLE=1`` (``p2p.after_failed_probe``; a P2P setting of the user's is
+reported, never overridden). When NCCL may go through /dev/shm, its free room is checked and a shortage is logged and
+added to failure messages.
+
+Failures. Any failure that may leave ranks inconsistent (a death, a timeout, some ranks failing while others did not)
+tears the whole pool down, since the survivors are likely stuck in a collective; the next call starts a fresh pool
+and bumps ``generation`` so callers know to reload their models. When every rank raised, ``keeps_pool`` decides by
+backend: on gloo a rank that raised is blocked nowhere, so the pool stays. On NCCL collectives are queued on the GPU
+stream and a rank that raised after queueing one leaves it unmatched (the next call would hang or pair collectives
+wrongly), so the pool stays only when every rank refused its input (one of our own errors) having queued the same
+number of collectives, or every rank stopped at the agreed Cancel; anything else (a CUDA OOM first of all) tears
+it down. Teardown waits a bounded time for killed ranks: one stuck in the kernel (D state, a GPU driver after an Xid)
+is logged by rank, pid and device and given up, so no later call and not the host's exit waits on it.
+
+Timeouts. On gloo the ranks' collective timeout is at least the host's call timeout: a hang blocks the CPU there,
+and the host's stack dumps name the rank that hangs. On NCCL a GPU-side hang does not block the CPU, so the ranks'
+collective timeout is shorter (``collective_timeout``): NCCL's watchdog fires first and writes its flight recorder
+into the pool's directory (``mgpu.ranks.flight_recorder``), and the host's error carries the verdict of those dumps
+(which rank's last collective lags: the one that never joined).
 
 Protocol (pickled dicts, ``mgpu.ranks.rank.dumps``): rank -> host ``hello {rank, pid}`` on connecting, then ``ready`` or
 ``error`` once the process group is up; host -> rank ``call {op, payload, inputs: Packet | None, released: {rank:
@@ -53,7 +72,7 @@ from queue import SimpleQueue
 import psutil
 import torch
 
-from . import p2p, shm
+from . import flight_recorder, p2p, shm
 from ..errors import CallCancelled, DeviceSpecError, MgpuError, RankFailure
 from ..planning.devices import live_gpus
 from .rank import dumps, recv
@@ -66,6 +85,13 @@ CANCEL_GRACE_S = 3.0       # a cancelled call's ranks get this long to stop at a
 STACK_DUMP_WAIT_S = 0.3    # after asking a timed-out rank for its stacks
 LOG_TAIL_BYTES = 4000
 HANDSHAKE_TIMEOUT_S = 5.0  # a channel connection that has not authenticated and said hello by then is dropped
+REAP_TIMEOUT_S = 5.0       # after SIGKILL: a rank not gone by then is stuck in the kernel and given up
+PROBE_TIMEOUT_S = 30.0     # the start-up all-reduce; NCCL's first one connects the ranks (a few seconds on 8 GPUs)
+# On NCCL the ranks' collective timeout is the host's call timeout less this: after a collective times out NCCL's
+# watchdog signals every rank to dump (polled each 1 s), waits TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default
+# in 2.11 and 2.13) for the dumps, then aborts the rank; the host must still be waiting to read them.
+NCCL_DUMP_MARGIN_S = 60.0
+FR_DUMP_WAIT_S = 3.0       # once one flight-recorder dump exists, how long the others get to appear
 # The ranks' allocator, whatever the host's: ComfyUI sets backend:cudaMallocAsync for itself, while FSDP's all-gather
 # buffers of varying size fragment least with expandable segments. The variable MGPU_RANK_ALLOC_CONF (empty: torch's
 # defaults) or PoolConfig.env overrides it.
@@ -88,6 +114,8 @@ class PoolConfig:
     env: dict[str, str] = field(default_factory=dict)
     imports: list[str] = field(default_factory=list)          # modules each rank imports at start (their register_op)
     error_grace_s: float = 5.0       # after one rank raises, how long the others get to finish before teardown
+    collective_timeout_s: float | None = None   # None: see collective_timeout
+    probe_timeout_s: float = PROBE_TIMEOUT_S
 
 
 @dataclass
@@ -137,6 +165,46 @@ def _popen(*args, **kwargs) -> subprocess.Popen:
     return future.result()
 
 
+class ProbeFailure(RankFailure):
+    """The ranks' start-up all-reduce failed, timed out or returned wrong values."""
+
+
+def collective_timeout(config: PoolConfig, backend: str) -> float:
+    """The ranks' collective timeout: ``config.collective_timeout_s`` if set; on gloo at least the host's timeouts
+    (the host's stack dumps diagnose a hang there); on NCCL NCCL_DUMP_MARGIN_S less than the call timeout (at least
+    half of it), so the watchdog's flight-recorder dumps exist when the host reports."""
+    if config.collective_timeout_s is not None:
+        return config.collective_timeout_s
+    if backend == "nccl":
+        return max(config.call_timeout_s / 2, config.call_timeout_s - NCCL_DUMP_MARGIN_S)
+    return max(config.start_timeout_s, config.call_timeout_s)
+
+
+def reply_kind(reply: dict) -> str:
+    """"ok", "cancelled" (stopped at the agreed Cancel), "refusal" (one of our own errors) or "error"."""
+    if reply["kind"] != "error":
+        return "ok"
+    if reply.get("cancelled"):
+        return "cancelled"
+    return "refusal" if reply.get("refusal") is not None else "error"
+
+
+def keeps_pool(backend: str, kinds: list[str], in_step: bool = True) -> bool:
+    """Whether the pool survives a call that every rank answered, with these reply kinds, without success.
+
+    ``in_step``: every rank queued the same number of collectives (unknown counts as yes). On gloo a rank that
+    raised is blocked in no collective, so any mix of errors keeps it. On NCCL collectives are queued on the GPU
+    stream: a rank that raised after queueing one leaves it unmatched on the others, so only refusals on every rank
+    in step, or the Cancel every rank agreed on, keep it. Mid-forward refusals (a sequence-parallel hook's shape check,
+    a LoRA hook, a GGUF dequantization) are raised on every rank at the same hook, after the same collectives, because
+    they test what all ranks share; ``in_step`` catches the exception."""
+    if not kinds or "ok" in kinds:
+        return False
+    if backend != "nccl":
+        return True
+    return set(kinds) == {"cancelled"} or (set(kinds) == {"refusal"} and in_step)
+
+
 def _validate(config: PoolConfig) -> tuple[str, str]:
     """Check the platform and devices before starting anything; returns (backend, mesh device type)."""
     if not sys.platform.startswith("linux"):
@@ -165,8 +233,9 @@ def _validate(config: PoolConfig) -> tuple[str, str]:
         if missing:
             raise DeviceSpecError(f"rank devices {', '.join(f'cuda:{i}' for i in missing)} do not exist: this machine "
                                   f"has {count} CUDA device(s); use fewer ranks or other devices")
-        if len(set(cuda)) != len(cuda):
-            raise DeviceSpecError(f"two ranks on one GPU in {config.devices}: NCCL needs one GPU per rank")
+        if len(set(cuda)) != len(cuda) and config.backend != "gloo":
+            raise DeviceSpecError(f"two ranks on one GPU in {config.devices}: NCCL needs one GPU per rank (backend "
+                                  "'gloo' allows it, for tests)")
     all_cuda = len(cuda) == len(config.devices)
     if cuda and not all_cuda:
         raise DeviceSpecError(f"ranks {config.devices} mix GPUs and cpu: FSDP needs every rank on the same kind of "
@@ -253,6 +322,13 @@ class RankPool:
         self._dropped_inputs: list[str] = []      # input segments unlinked since the last call: ranks must unmap
         self._calls = 0                            # calls sent, numbered so a cancel names the one in flight
         self._cancel_flag: mmap.mmap | None = None   # 8 bytes the ranks read: the number of the cancelled call
+        self._backend = ""
+        self._p2p_off = False                      # the start-up check failed with P2P on: later starts keep it off
+        self._p2p_env: dict[str, str] = {}         # the NCCL_P2P_* settings the ranks started with
+        self._env_note: str | None = None          # a warning about the ranks' environment (/dev/shm), for errors
+        self._dump_prefix: str | None = None       # where NCCL's flight recorder dumps
+        self._launched_at = 0.0
+        self._collective_timeout = 0.0
         _live_pools.add(self)
 
     @property
@@ -269,6 +345,12 @@ class RankPool:
     def alive(self) -> bool:
         return bool(self._ranks) and not any(_exited(r) for r in self._ranks)
 
+    @property
+    def pids(self) -> list[int]:
+        """The running ranks' process ids (none before start): NVML counts GPU memory per process, and a plan
+        counts what our ranks hold as ours to reuse (``loaders.placement.available_devices``)."""
+        return [r.proc.pid for r in list(self._ranks) if r.proc.poll() is None]
+
     def start(self) -> None:
         """Start the ranks if they are not running (idempotent); raises RankFailure if they do not come up.
         A pool that lost a rank while idle (e.g. to the OOM killer) is logged and rebuilt."""
@@ -280,13 +362,30 @@ class RankPool:
             if self._ranks:
                 return
             backend, mesh_device_type = _validate(self.config)
-            try:
-                self._launch(backend, mesh_device_type)
-                self._gather("start-up", self.config.start_timeout_s)
-            except BaseException:
-                self._teardown(graceful=False)
-                raise
+            for attempt in range(2):
+                try:
+                    self._start_ranks(backend, mesh_device_type)
+                    break
+                except ProbeFailure as exc:
+                    decision = (p2p.after_failed_probe({**os.environ, **self.config.env}, self._p2p_env)
+                                if backend == "nccl" else p2p.P2pDecision())
+                    if attempt or not decision.env:
+                        raise ProbeFailure("\n".join(filter(None, [str(exc), decision.reason])), rank=exc.rank,
+                                           device=exc.device) from None
+                    log.warning("mgpu: %s\n%s", exc, decision.reason)
+                    self._p2p_off = True
             self._generation += 1
+
+    def _start_ranks(self, backend: str, mesh_device_type: str) -> None:
+        try:
+            self._launch(backend, mesh_device_type)
+            replies = self._gather("start-up", self.config.start_timeout_s)
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+        slowest = max(reply.get("probe_s", 0.0) for reply in replies.values())
+        log.info("mgpu: %d %s ranks up; the start-up all-reduce was correct on every rank (%.1f ms on the slowest)",
+                 self.world_size, backend, slowest * 1e3)
 
     def call(self, op: str, payload: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
              timeout: float | None = None, cancelled: Callable[[], bool] | None = None,
@@ -357,14 +456,21 @@ class RankPool:
             self._cancel_flag = mmap.mmap(f.fileno(), 8)
         channel = self._listen(work_dir)
         authkey = secrets.token_bytes(32)
-        env = self._rank_env(backend)
+        self._backend = backend
+        self._collective_timeout = collective_timeout(cfg, backend)
+        env = self._rank_env(backend, work_dir)
+        self._p2p_env = {var: env[var] for var in p2p.USER_VARS if var in env}
+        self._dump_prefix = flight_recorder.dump_prefix(env) if backend == "nccl" else None
+        self._launched_at = time.time()
         for rank, device in enumerate(cfg.devices):
             log_path = os.path.join(work_dir, f"rank{rank}.log")
             argv = [sys.executable, "-m", "mgpu.ranks.rank", "--rank", str(rank), "--world-size", str(self.world_size),
                     "--device", device, "--backend", backend, "--mesh-device-type", mesh_device_type,
                     "--store-file", os.path.join(work_dir, "store"), "--cancel-file", cancel_file,
                     "--channel", channel, "--host-pid", str(os.getpid()),
-                    "--timeout", str(max(cfg.start_timeout_s, cfg.call_timeout_s)),
+                    "--store-timeout", str(max(cfg.start_timeout_s, cfg.call_timeout_s)),
+                    "--collective-timeout", str(self._collective_timeout),
+                    "--probe-timeout", str(cfg.probe_timeout_s),
                     "--segment-dirs", *segment_dirs, "--imports", *cfg.imports]
             with open(log_path, "wb") as log:
                 proc = _popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -388,7 +494,9 @@ class RankPool:
         self._listener = sock
         return address
 
-    def _rank_env(self, backend: str) -> dict[str, str]:
+    def _rank_env(self, backend: str, work_dir: str | None = None) -> dict[str, str]:
+        """The ranks' environment. On NCCL: the P2P decision (and the fallback after a failed start-up check), the
+        /dev/shm check, and, given the pool's ``work_dir``, the flight recorder dumping there."""
         cfg = self.config
         package_parent = str(Path(__file__).resolve().parents[2])   # the folder that contains mgpu/
         env = {**os.environ, **cfg.env}
@@ -406,11 +514,21 @@ class RankPool:
         if interface:   # over the host's own setting too (meant for other jobs): ranks never talk off this machine
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 env[var] = cfg.env.get(var, interface)
+        self._env_note = None
         if backend == "nccl":
             decision = p2p.decide(live_gpus(), cfg.devices, env)
             if decision.reason:
                 log.warning(decision.reason)
             env.update(decision.env)
+            if self._p2p_off:
+                env.pop("NCCL_P2P_LEVEL", None)
+                env.update(p2p.OFF)
+            if p2p.uses_shm(env):
+                self._env_note = p2p.shm_warning(p2p.shm_space(), self.world_size)
+                if self._env_note:
+                    log.warning("mgpu: %s", self._env_note)
+            if work_dir is not None:
+                env.update(flight_recorder.rank_env(work_dir, env))
         return env
 
     def _accept(self, authkey: bytes, deadline: float) -> None:
@@ -488,8 +606,12 @@ class RankPool:
             return replies
         if cancel_sent:
             raise self._cancel_failure(op, errors, replies, missing + dead)
-        # Every rank raised: none is stuck in a collective, so the pool stays (a failed start-up is torn down by start)
-        kept = not (dead or missing or len(errors) < self.world_size) and op != "start-up"
+        if op == "start-up" and any(replies[rank].get("probe") for rank in errors):
+            raise self._probe_failure(errors, replies, missing + dead)
+        # Every rank answered: keeps_pool decides by backend (a failed start-up is torn down by start)
+        in_step = len({replies[rank].get("collectives") for rank in errors} - {None}) <= 1
+        kept = (not (dead or missing) and op != "start-up"
+                and keeps_pool(self._backend, [reply_kind(reply) for reply in replies.values()], in_step))
         if dead:
             failure = self._death_failure(op, dead[0])
         elif errors:
@@ -519,8 +641,12 @@ class RankPool:
         except subprocess.TimeoutExpired:
             returncode = None
         sig = _signal_name(returncode)
+        found = self._flight_verdict()
         if sig == "SIGKILL":
             how = "was killed by SIGKILL (the kernel's OOM killer, or another process)"
+        elif sig == "SIGABRT" and found is not None:
+            how = (f"was stopped by NCCL's watchdog (SIGABRT) when a collective outlived the ranks' collective timeout "
+                   f"of {self._collective_timeout:g}s")
         elif sig:
             how = f"was killed by {sig}"
         elif returncode is None:
@@ -529,9 +655,55 @@ class RankPool:
             how = f"exited with code {returncode}"
         tail = _tail(r.log_path) or "(the rank logged nothing)"
         when = f"during {op!r}" if op else "while idle"
+        verdict = f"\n{found.text}" if found is not None else ""
         return RankFailure(f"rank {rank} ({r.device}, pid {r.proc.pid}) {how} {when}; the pool was shut down and "
-                           f"restarts on next use (reload what it held).\n--- end of rank {rank} log ---\n{tail}",
+                           f"restarts on next use (reload what it held).{verdict}{self._note()}\n"
+                           f"--- end of rank {rank} log ---\n{tail}",
                            rank=rank, device=r.device, exitcode=returncode, signal=sig, traceback=tail)
+
+    def _flight_verdict(self) -> flight_recorder.Verdict | None:
+        """On NCCL, the verdict of the flight-recorder dumps the ranks wrote since they started (None: none, e.g.
+        the watchdog did not fire). Once one dump exists the others get FR_DUMP_WAIT_S to appear."""
+        if self._backend != "nccl" or not self._dump_prefix:
+            return None
+        deadline = time.monotonic() + FR_DUMP_WAIT_S
+        dumps, unreadable = flight_recorder.read_dumps(self._dump_prefix, self._launched_at)
+        while dumps and len(dumps) + len(unreadable) < self.world_size and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            dumps, unreadable = flight_recorder.read_dumps(self._dump_prefix, self._launched_at)
+        found = flight_recorder.verdict(dumps, self.world_size)
+        if unreadable:
+            text = (found.text + "; " if found else "") + "unreadable dumps: " + "; ".join(unreadable)
+            found = flight_recorder.Verdict(found.culprits if found else [], text)
+        return found
+
+    def _flight_text(self) -> str:
+        found = self._flight_verdict()
+        return f".\n{found.text}" if found is not None else ""
+
+    def _note(self) -> str:
+        return f"\n{self._env_note}" if self._env_note else ""
+
+    def _probe_failure(self, errors: list[int], replies: dict[int, dict], unanswered: list[int]) -> ProbeFailure:
+        """The start-up check failed: the ranks whose contribution arrived wrong, else those that never answered,
+        else the first that raised, and each rank's own account."""
+        probes = {rank: replies[rank].get("probe") or {} for rank in errors}
+        bad = sorted({b for p in probes.values() for b in p.get("bad", ())})
+        timed_out = [rank for rank, p in probes.items() if p.get("outcome") == "timeout"]
+        if bad:
+            lead = f"the contribution of rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} arrived wrong"
+        elif timed_out:
+            lead = f"it did not finish within {self.config.probe_timeout_s:g}s"
+        else:
+            lead = "it raised"
+        busy = [rank for rank in timed_out if not probes[rank].get("waiting")]   # not waiting for the others
+        culprit = (bad or unanswered or busy or errors)[0]
+        lines = [f"rank {rank} ({self._ranks[rank].device}): {replies[rank]['error']}" for rank in errors]
+        lines += [f"rank {rank} ({self._ranks[rank].device}) did not answer" for rank in unanswered]
+        return ProbeFailure(f"the ranks' start-up check (one all-reduce of a known tensor over {self.world_size} "
+                            f"ranks on {self._backend}) failed: {lead}; the ranks were shut down.\n"
+                            + "\n".join(lines) + self._note(),
+                            rank=culprit, device=self._ranks[culprit].device)
 
     def _error_failure(self, op: str, errors: list[int], replies: dict[int, dict], missing: list[int],
                        kept: bool) -> RankFailure:
@@ -550,8 +722,14 @@ class RankPool:
             text += ". Other ranks succeeded, so the ranks may disagree: the pool was shut down and restarts on next use"
         elif kept:
             text += ". Every rank raised, so none is stuck: the pool stays up with the models it holds"
+        elif self._backend == "nccl" and op != "start-up":
+            text += (". On NCCL a rank that raised may have left a collective queued on its GPU that the others never "
+                     "match (only refusals of the input on every rank, or a Cancel, leave the ranks in step): the "
+                     "pool was shut down and restarts on next use")
         else:
             text += ". The pool was shut down and restarts on next use"
+        if missing:
+            text += self._flight_text()
         if refusal is not None:
             text = f"{refusal}\n{text}"
         return RankFailure(f"{text}\n--- rank {first.rank} traceback ---\n{reply['traceback']}",
@@ -587,9 +765,13 @@ class RankPool:
     def _timeout_failure(self, op: str, missing: list[int], seconds: float) -> RankFailure:
         """Name the rank(s) that hang, not the ones waiting for them in a collective, with where each one is."""
         culprits, report = self._diagnose(missing)
+        found = self._flight_verdict()
+        if found is not None:
+            culprits = found.culprits or culprits
+            report = f"{found.text}\n{report}"
         names = ", ".join(f"{rank} ({self._ranks[rank].device})" for rank in culprits)
         return RankFailure(f"rank{'s' if len(culprits) > 1 else ''} {names} did not answer {op!r} within "
-                           f"{seconds:g}s; the pool was shut down and restarts on next use.\n{report}",
+                           f"{seconds:g}s; the pool was shut down and restarts on next use.{self._note()}\n{report}",
                            rank=culprits[0], device=self._ranks[culprits[0]].device)
 
     def _diagnose(self, silent: list[int]) -> tuple[list[int], str]:
@@ -644,7 +826,8 @@ class RankPool:
         for r in ranks:
             if r.proc.poll() is None:
                 r.proc.kill()
-            r.proc.wait()
+        _reap(ranks, REAP_TIMEOUT_S)
+        for r in ranks:
             if r.conn is not None:
                 r.conn.close()
         if self._listener is not None:
@@ -695,6 +878,21 @@ def _exited(r: _Rank) -> bool:
         return psutil.Process(r.proc.pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def _reap(ranks: list[_Rank], seconds: float) -> None:
+    """Wait for killed ranks, ``seconds`` for all together. One still there is stuck in the kernel (state D: a GPU
+    driver after an Xid, a hung NFS read), where SIGKILL waits for the call to return: it is logged and given up,
+    because waiting would hang every later call on the pool's lock, and the host's exit."""
+    deadline = time.monotonic() + seconds
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("mgpu: rank %d (%s, pid %d) did not exit %gs after SIGKILL: it is stuck in the kernel (e.g. the "
+                      "GPU driver after an Xid error; see dmesg) and was given up. Its GPU memory may stay taken "
+                      "until the process ends or the driver is reset (nvidia-smi lists the pid).", r.rank, r.device,
+                      r.proc.pid, seconds)
 
 
 def _wait_exit(ranks: list[_Rank], seconds: float) -> None:

@@ -1,11 +1,12 @@
 """Rank worker: one process per device, started by ``mgpu.ranks.pool`` as ``python -m mgpu.ranks.rank``.
 
-It joins the process group, then serves calls from the host over an authenticated channel until told to stop or the
-host goes away. Ops are plain functions ``fn(ctx, payload, tensors) -> (payload, tensors)``, either registered here
-with ``@register_op(name)`` (the defining module must be imported on the rank: list it in ``PoolConfig.imports``) or
-named as ``"package.module:function"`` and imported on first use. An op that raises is reported with its traceback
-(and, for one of our own ``MgpuError``s, as a refusal of its input with the error's message) and the rank keeps
-serving; whether the pool survives is the host's decision.
+It joins the process group, checks it with one timed all-reduce of a known tensor (a broken GPU interconnect shows
+there, at start-up, not as a hang in the first denoising step), then serves calls from the host over an authenticated
+channel until told to stop or the host goes away. Ops are plain functions ``fn(ctx, payload, tensors) -> (payload,
+tensors)``, either registered here with ``@register_op(name)`` (the defining module must be imported on the rank:
+list it in ``PoolConfig.imports``) or named as ``"package.module:function"`` and imported on first use. An op that
+raises is reported with its traceback (and, for one of our own ``MgpuError``s, as a refusal of its input with the
+error's message) and the rank keeps serving; whether the pool survives is the host's decision.
 
 The wire format (``dumps``/``recv``) lives here because both sides speak it: pickled plain-data messages, which is
 safe only because the channel is authenticated with a per-pool random key; tensors are refused in messages and go
@@ -52,10 +53,23 @@ OpFn = Callable[["RankContext", dict, Tensors], OpResult]
 
 _OPS: dict[str, OpFn] = {}
 PARENT_POLL_S = 0.25
+# The start-up check: each rank fills its own row with rank + 1; the sum is known. 1 MiB per row, past NCCL's
+# small-message protocols, so the bulk transfer path (the one a broken P2P link breaks) runs too.
+PROBE_ELEMENTS = 1 << 18
 
 
 class Cancelled(Exception):
     """The host cancelled the call in flight (ComfyUI's Cancel); every rank raises it at the same point."""
+
+
+class ProbeFailed(Exception):
+    """The start-up all-reduce failed. ``outcome``: "wrong" (``bad``: the ranks whose rows arrived wrong), "error"
+    (it raised) or "timeout" (sent by the probe's timer)."""
+
+    def __init__(self, message: str, outcome: str, bad: list[int] | None = None):
+        super().__init__(message)
+        self.outcome = outcome
+        self.bad = bad or []
 
 
 @dataclass
@@ -196,28 +210,118 @@ def _channel_address(text: str) -> str | tuple[str, int]:
     return host, int(port)
 
 
-def _init_context(args: argparse.Namespace) -> RankContext:
+class _StartReport:
+    """The one start-up message (ready or error) of a rank: the probe's timer may send it from its own thread."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._sent = False
+
+    def send(self, msg: dict) -> bool:
+        """Send ``msg`` unless a start-up message went already; returns whether this one went."""
+        with self._lock:
+            if self._sent:
+                return False
+            self._sent = True
+            self._conn.send_bytes(dumps(msg))
+            return True
+
+
+def start_error(exc: BaseException) -> dict:
+    """The start-up error message for ``exc``; a failed probe says how, for the host's P2P decision."""
+    probe = {"outcome": exc.outcome, "bad": exc.bad} if isinstance(exc, ProbeFailed) else None
+    return {"kind": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+            "probe": probe}
+
+
+def probe_tensor(rank: int, world_size: int, device: torch.device) -> torch.Tensor:
+    t = torch.zeros(world_size, PROBE_ELEMENTS, device=device)
+    t[rank] = rank + 1
+    return t
+
+
+def probe_wrong_rows(result: torch.Tensor) -> list[int]:
+    """The rows of a summed ``probe_tensor`` that are not rank + 1 throughout: whose contribution arrived wrong."""
+    want = torch.arange(1, result.shape[0] + 1, dtype=result.dtype).unsqueeze(1)
+    return [int(i) for i in torch.nonzero((result != want).any(dim=1)).flatten()]
+
+
+def _probe(rank: int, world_size: int, device: torch.device, report: _StartReport, timeout_s: float) -> float:
+    """One all-reduce of a known tensor on the default group, checked; returns its seconds. Past ``timeout_s`` a timer
+    reports the timeout and ends the process: a hung NCCL kernel never returns control to this thread."""
+    import torch.distributed as dist
+
+    main = threading.get_ident()
+
+    def expire() -> None:
+        waiting = _in_collective(main)
+        where = "waiting for the other ranks in it" if waiting else "not even in the collective: busy elsewhere"
+        message = (f"ProbeFailed: the start-up all-reduce over {world_size} ranks did not finish within "
+                   f"{timeout_s:g}s on rank {rank} ({device}), {where}")
+        if report.send({"kind": "error", "error": message, "traceback": "",
+                        "probe": {"outcome": "timeout", "bad": [], "waiting": waiting}}):
+            print(message, flush=True)
+            os._exit(1)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    t0 = time.perf_counter()
+    try:
+        t = probe_tensor(rank, world_size, device)
+        dist.all_reduce(t)
+        result = t.cpu()
+    except Exception as exc:  # noqa: BLE001 - the backend's own error, reported as the probe's
+        raise ProbeFailed(f"the start-up all-reduce over {world_size} ranks raised on rank {rank} ({device}): "
+                          f"{type(exc).__name__}: {exc}", "error") from exc
+    finally:
+        timer.cancel()
+    seconds = time.perf_counter() - t0
+    bad = probe_wrong_rows(result)
+    if bad:
+        got = ", ".join(f"rank {i}: {result[i].min().item():g}..{result[i].max().item():g} instead of {i + 1}"
+                        for i in bad)
+        raise ProbeFailed(f"the start-up all-reduce over {world_size} ranks returned wrong values on rank {rank} "
+                          f"({device}) for the contribution of {got}", "wrong", bad)
+    print(f"{time.strftime('%H:%M:%S')} start-up all-reduce over {world_size} ranks correct in "
+          f"{seconds * 1e3:.1f} ms", flush=True)
+    return seconds
+
+
+def _in_collective(thread_id: int) -> bool:
+    """Whether that thread's innermost Python frame is in torch.distributed (waiting for the others), as the host's
+    stack-dump diagnosis reads it."""
+    frame = sys._current_frames().get(thread_id)
+    return frame is not None and "torch/distributed" in frame.f_code.co_filename.replace(os.sep, "/")
+
+
+def _init_context(args: argparse.Namespace, report: _StartReport) -> tuple[RankContext, float]:
+    """The rank's context and the probe's seconds. The collective timeout is the pool's choice (on NCCL shorter
+    than the host's call timeout, so NCCL's watchdog dumps its flight recorder before the host gives up); the
+    store's covers the rendezvous."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=args.timeout)
+    timeout = timedelta(seconds=args.collective_timeout)
     # A file in the pool's private 0700 directory: no port to bind, and nobody but this user can join the group.
     store = dist.FileStore(args.store_file, args.world_size)
-    store.set_timeout(timeout)
+    store.set_timeout(timedelta(seconds=args.store_timeout))
     extra = {"device_id": device} if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=timeout,
                             **extra)
+    probe_s = _probe(args.rank, args.world_size, device, report, args.probe_timeout)
     mesh = init_device_mesh(args.mesh_device_type, (args.world_size,))
-    control = dist.group.WORLD if args.backend == "gloo" else dist.new_group(backend="gloo")
+    control = dist.group.WORLD if args.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     with open(args.cancel_file, "rb") as f:
         cancel_flag = mmap.mmap(f.fileno(), 8, access=mmap.ACCESS_READ)
     for module in args.imports:
         importlib.import_module(module)
     return RankContext(args.rank, args.world_size, args.device, device, args.backend, dist.group.WORLD, mesh,
-                       control=control, cancel_flag=cancel_flag)
+                       control=control, cancel_flag=cancel_flag), probe_s
 
 
 def _normalize(result: OpResult) -> tuple[dict, Tensors]:
@@ -246,7 +350,19 @@ def _serve_call(ctx: RankContext, msg: dict, inputs: Mapper, outputs: SegmentPoo
             dropped += outputs.release([packet.path])
         return dumps({"kind": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                       "dropped": dropped, "cancelled": isinstance(exc, Cancelled),
-                      "refusal": str(exc) if isinstance(exc, MgpuError) else None})
+                      "refusal": str(exc) if isinstance(exc, MgpuError) else None,
+                      "collectives": _collectives_queued(ctx)})
+
+
+def _collectives_queued(ctx: RankContext) -> int | None:
+    """How many collectives this rank queued on the default group (a host-side counter, no GPU sync); on NCCL the
+    host keeps a pool after refusals only when every rank queued the same number. None where torch does not say."""
+    if ctx.backend != "nccl":
+        return None
+    try:
+        return int(ctx.group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -260,7 +376,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--channel", required=True, help="unix:/path or tcp:host:port of the host's command channel")
     p.add_argument("--host-pid", type=int, required=True)
     p.add_argument("--segment-dirs", nargs="+", required=True)
-    p.add_argument("--timeout", type=float, required=True, help="rendezvous and collective timeout, seconds")
+    p.add_argument("--store-timeout", type=float, required=True, help="rendezvous (FileStore) timeout, seconds")
+    p.add_argument("--collective-timeout", type=float, required=True, help="collective timeout, seconds")
+    p.add_argument("--probe-timeout", type=float, required=True, help="limit of the start-up all-reduce, seconds")
     p.add_argument("--cancel-file", required=True, help="8 bytes the host writes a cancelled call's number to")
     p.add_argument("--imports", nargs="*", default=[])
     return p.parse_args(argv)
@@ -276,13 +394,14 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent(args.host_pid)
     conn = Client(_channel_address(args.channel), authkey=authkey)
     conn.send_bytes(dumps({"kind": "hello", "rank": args.rank, "pid": os.getpid()}))
+    report = _StartReport(conn)
     try:
-        ctx = _init_context(args)
+        ctx, probe_s = _init_context(args, report)
     except Exception as exc:  # noqa: BLE001 - reported to the host
-        conn.send_bytes(dumps({"kind": "error", "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc()}))
+        report.send(start_error(exc))
         sys.exit(1)
-    conn.send_bytes(dumps({"kind": "ready"}))
+    if not report.send({"kind": "ready", "probe_s": probe_s}):
+        os._exit(1)                 # the probe's timer reported a timeout meanwhile and is ending the process
     inputs, outputs = Mapper(), SegmentPool(args.segment_dirs)
     while True:
         try:
