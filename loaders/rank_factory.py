@@ -250,7 +250,16 @@ def fp8_full_precision(model_config, sd: dict[str, torch.Tensor]) -> bool | None
     return None
 
 
-def rank_fp8_compute(device: torch.device, full_precision: bool) -> Fp8Compute:
+def plain_fp8_cast(model_config) -> bool:
+    """Whether ComfyUI casts plain fp8 weights per layer even where the device has fp8 matmul: unless the model asks
+    for fp8 optimizations or ComfyUI runs with --fast fp8_matrix_mult (``comfy.ops.pick_operations``)."""
+    import comfy.cli_args
+
+    fast = comfy.cli_args.PerformanceFeature.Fp8MatrixMultiplication in comfy.cli_args.args.fast
+    return not (fast or model_config.optimizations.get("fp8", False))
+
+
+def rank_fp8_compute(device: torch.device, full_precision: bool, plain_cast: bool = False) -> Fp8Compute:
     """How this rank's fp8 layers compute (``mgpu.weights.quant.fp8_compute_path`` on its device); ComfyUI's own
     verdict for the device wins where the two disagree, since ComfyUI's ops are what run."""
     import comfy.cli_args
@@ -258,9 +267,9 @@ def rank_fp8_compute(device: torch.device, full_precision: bool) -> Fp8Compute:
 
     nvidia = device.type == "cuda" and torch.version.cuda is not None
     capability = torch.cuda.get_device_capability(device) if nvidia else None
-    path = fp8_compute_path(str(device), capability, full_precision=full_precision,
+    path = fp8_compute_path(str(device), capability, full_precision=full_precision, plain_cast=plain_cast,
                             forced=bool(getattr(comfy.cli_args.args, "supports_fp8_compute", False)))
-    comfy_matmul = bool(mm.supports_fp8_compute(device)) and not full_precision
+    comfy_matmul = bool(mm.supports_fp8_compute(device)) and not full_precision and not plain_cast
     if comfy_matmul != path.matmul:
         return Fp8Compute(str(device), comfy_matmul, f"ComfyUI {_comfy_version()}'s choice on this device")
     return path
@@ -272,12 +281,40 @@ def fp8_compute_summary(replies: list[dict]) -> str | None:
     return fp8_compute_line(paths) if paths else None
 
 
+# ComfyUI's command-line storage dtypes for the diffusion model (--bf16-unet, ...), which
+# ``comfy.model_management.unet_dtype`` honours before anything else.
+UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
+                    "fp8_e8m0fnu_unet")
+
+
+def sharded_storage_dtype(device: torch.device, weight_dtype: torch.dtype | None, rank_params: int,
+                          supported: list[torch.dtype]) -> torch.dtype:
+    """The dtype a rank stores the network in when no weight_dtype is forced: ComfyUI's UNETLoader choice for this
+    device and the rank's ``rank_params`` (``comfy.model_management.unet_dtype``), except that a plain fp8 file
+    stays fp8 unless a ``UNET_DTYPE_FLAGS`` flag says otherwise.
+
+    Without fp8 compute (3090, A100, CPU) ComfyUI upcasts an fp8 model that fits the device whole, to spare the
+    per-layer cast; a rank's 1/N share nearly always fits, so every rank would hold, and every all-gather move, twice
+    the bytes the plan sized (Wan 14B fp8 on 2x3090: 14 GB per rank instead of 7 GB, out of memory at the first
+    step). Kept fp8, the shard is gathered as fp8 and ComfyUI's manual-cast ops cast one layer at a time, as they do
+    on one GPU that the upcast model does not fit.
+    """
+    import comfy.cli_args
+    import comfy.model_management as mm
+
+    if weight_dtype in FP8_DTYPES and not any(getattr(comfy.cli_args.args, f, False) for f in UNET_DTYPE_FLAGS):
+        return weight_dtype
+    return mm.unet_dtype(device=device, model_params=rank_params, supported_dtypes=supported,
+                         weight_dtype=weight_dtype)
+
+
 def prepare(ctx, payload: dict, tensors: dict) -> dict:
     """Rank op: set ComfyUI up for this rank's device and report the dtypes it would use here.
 
     ``preferred``: what ComfyUI's UNETLoader would pick on this device for this rank's share of the weights;
     ``manual_cast``: the compute dtype for each candidate storage dtype (None: computes in the storage dtype);
-    ``fp8_compute``: how this rank's device computes the file's scaled or quantized fp8 layers (None: it has none).
+    ``fp8_compute``: how this rank's device computes the file's scaled or quantized fp8 layers, or the network's
+    plain fp8 weights (None: it has neither).
     """
     device = _setup(ctx.device, payload["flags"])
     import comfy.model_management as mm
@@ -291,14 +328,20 @@ def prepare(ctx, payload: dict, tensors: dict) -> dict:
         preferred = getattr(torch, forced)
     else:   # as comfy.sd.load_diffusion_model_state_dict: a scaled/quantized file's fp8 says nothing of the compute
         weight_dtype = None if scaled_fp8(model_config) or quant else comfy.utils.weight_dtype(sd)
-        preferred = mm.unet_dtype(device=device, model_params=comfy.utils.calculate_parameters(sd) // ctx.world_size,
-                                  supported_dtypes=supported, weight_dtype=weight_dtype)
+        preferred = sharded_storage_dtype(device, weight_dtype, comfy.utils.calculate_parameters(sd) // ctx.world_size,
+                                          supported)
     candidates = [preferred] if forced is not None else list(dict.fromkeys([preferred, *supported]))
     full_precision = fp8_full_precision(model_config, sd)
+    if full_precision is not None:
+        fp8_compute = rank_fp8_compute(device, full_precision).to_dict()
+    elif preferred in FP8_DTYPES:   # a plain fp8 file kept fp8, or weight_dtype fp8
+        fp8_compute = rank_fp8_compute(device, False, plain_fp8_cast(model_config)).to_dict()
+    else:
+        fp8_compute = None
     return {"preferred": dtype_name(preferred),   # quantized: ComfyUI computes in its cast of "no weight dtype"
             "manual_cast": {dtype_name(d): dtype_name(mm.unet_manual_cast(None if quant else d, device, supported))
                             for d in candidates},
-            "fp8_compute": None if full_precision is None else rank_fp8_compute(device, full_precision).to_dict()}
+            "fp8_compute": fp8_compute}
 
 
 def agree_dtype(replies: list[dict], devices: list[str]) -> tuple[str, str | None]:

@@ -173,6 +173,9 @@ def test_a_forward_that_raises_leaves_the_layer_its_own_weight() -> None:
     ("cuda:0", (8, 6), {"forced": True}, "torch._scaled_mm on cuda:0 (--supports-fp8-compute)"),
     ("cuda:0", (9, 0), {"full_precision": True},
      "dequantize per layer on cuda:0 (the checkpoint asks for full-precision matmul)"),
+    ("cuda:0", (9, 0), {"plain_cast": True},
+     "dequantize per layer on cuda:0 (plain fp8 weights: fp8 matmul only with --fast fp8_matrix_mult)"),
+    ("cuda:0", (8, 6), {"plain_cast": True}, "dequantize per layer on cuda:0 (sm_86: fp8 matmul needs sm_89)"),
 ])
 def test_fp8_compute_path_follows_comfyui_rules(device, capability, kwargs, expected) -> None:
     path = fp8_compute_path(device, capability, **kwargs)
@@ -206,13 +209,15 @@ def test_the_plan_says_how_an_fp8_dit_computes(tmp_path: Path) -> None:
     gpu0, gpu1, host = parse_spec("2x24GiB,cpu=64GiB")
     devices = [dataclasses.replace(gpu0, capability=(9, 0)), dataclasses.replace(gpu1, capability=(8, 6)), host]
     assert ("fp8 compute: torch._scaled_mm on cuda:0 (sm_90); dequantize per layer on cuda:1 (sm_86: fp8 matmul "
-            "needs sm_89) (ComfyUI's choice for scaled-fp8 and quantized fp8 layers)") in dit_reasons(
-        L.wan21_t2v_1_3b("F8_E4M3"))
+            "needs sm_89) (ComfyUI's choice for scaled-fp8 and quantized fp8 layers; plain fp8 weights: fp8 matmul "
+            "only with --fast fp8_matrix_mult, else dequantize per layer)") in dit_reasons(L.wan21_t2v_1_3b("F8_E4M3"))
     assert not [r for r in dit_reasons(L.wan21_t2v_1_3b()) if "fp8 compute" in r]
     assert fp8_plan_line("bf16", [("cuda:0", (9, 0))]) is None
     assert fp8_plan_line("fp8_e4m3fn", [("cuda:0", (9, 0)), ("cpu", None)]).startswith(
         "fp8 compute: torch._scaled_mm on cuda:0 (sm_90) (ComfyUI's choice")
-    assert fp8_plan_line("F8_E5M2", [("cpu", None)]).startswith("fp8 compute: dequantize per layer on cpu")
+    assert fp8_plan_line("F8_E5M2", [("cpu", None)]) == ("fp8 compute: dequantize per layer on cpu (no fp8 matmul "
+                                                         "on a CPU) (ComfyUI's choice for scaled-fp8 and quantized "
+                                                         "fp8 layers)")
 
 
 # ----------------------------------------------------------------------------- ComfyUI's quantized checkpoints

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from comfy_checkpoints import WanDiTConfig, write_tiny_wan21_t2v
 from comfyui_env import ComfyServer
-from scaled_fp8_files import write_quantized, write_scaled_fp8
+from safetensors.torch import load_file, save_file
+from scaled_fp8_files import FP8, write_quantized, write_scaled_fp8
 from test_comfyui_fsdp import (
     STEPS,
     TOLERANCE,
@@ -36,6 +37,7 @@ SCALED = "mgpu_quant_wan_fp8_scaled.safetensors"
 E4M3 = "mgpu_quant_wan_e4m3fn.safetensors"
 E5M2 = "mgpu_quant_wan_e5m2.safetensors"
 NVFP4 = "mgpu_quant_wan_nvfp4.safetensors"
+PLAIN_FP8 = "mgpu_quant_wan_plain_e4m3fn.safetensors"
 CPU_LINE = "fp8 compute: dequantize per layer on cpu (no fp8 matmul on a CPU)"
 
 
@@ -48,7 +50,15 @@ def server(comfyui_server: ComfyServer) -> ComfyServer:
     write_quantized(plain, folder / E4M3)
     write_quantized(plain, folder / E5M2, "float8_e5m2")
     write_quantized(plain, folder / NVFP4, "nvfp4")
+    write_plain_fp8(plain, folder / PLAIN_FP8)
     return comfyui_server
+
+
+def write_plain_fp8(plain: Path, path: Path) -> None:
+    """``plain`` as plain fp8 files store it: every floating tensor of >= 2 dims float8_e4m3fn, no scales; biases
+    and norms keep their dtype."""
+    state = load_file(str(plain))
+    save_file({k: v.to(FP8) if v.is_floating_point() and v.ndim >= 2 else v for k, v in state.items()}, str(path))
 
 
 def comfyui_version(server: ComfyServer) -> str:
@@ -94,6 +104,25 @@ def test_scaled_fp8_file_matches_stock(server: ComfyServer) -> None:
     log = server.log()[log_start:]
     assert f"{SCALED} sharded over 2 ranks (cpu, cpu) loaded" in log
     assert log.count(CPU_LINE) == 1 and f"{PLAIN} sharded" in log   # once per load; the plain file has none
+
+
+def test_a_plain_fp8_file_is_sharded_as_fp8_and_matches_stock(server: ComfyServer) -> None:
+    """A plain fp8 file: the ranks keep it fp8 (the bytes the plan sizes: test_fp8_storage.py) and ComfyUI's
+    manual-cast ops cast each gathered layer to fp32, so it samples what UNETLoader samples where ComfyUI keeps the
+    file fp8 (weight_dtype fp8_e4m3fn: on one GPU the upcast model does not fit, or one with fp8 compute; its
+    default on a CPU upcasts the whole model instead). The load log says fp8 is stored, what computes, and the fp8
+    compute path once."""
+    prompt = pairs_prompt({"fp8": PLAIN_FP8})
+    prompt["stock_fp8_unet"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
+    log_start = len(server.log())
+    lat = latents(server, run(server, prompt))
+    diff = max_diff(lat["fsdp_fp8"], lat["stock_fp8"])
+    print(f"plain fp8, ComfyUI {comfyui_version(server)}: max |fsdp - stock fp8| = {diff:.3g}")
+    assert diff <= TOLERANCE
+    log = server.log()[log_start:]
+    assert re.search(rf"{PLAIN_FP8} sharded over 2 ranks \(cpu, cpu\) loaded in [\d.]+ s \(float8_e4m3fn, compute "
+                     r"float32;", log), log[-3000:]
+    assert log.count(CPU_LINE) == 1
 
 
 def test_quantized_float8_files_match_stock_or_are_refused_by_name(server: ComfyServer) -> None:

@@ -29,6 +29,7 @@ FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m
 FP8_NAME_PREFIXES = ("f8_", "fp8_", "float8_")
 # ComfyUI's fp8 matmul (torch._scaled_mm, comfy_kitchen's kernels) needs fp8 tensor cores: Ada (sm_89) and newer.
 FP8_MATMUL_MIN_CAPABILITY = (8, 9)
+PLAIN_FP8_CAST = "plain fp8 weights: fp8 matmul only with --fast fp8_matrix_mult"
 
 
 class Fp8Weight(torch.Tensor):
@@ -204,17 +205,23 @@ class Fp8Compute:
 
 
 def fp8_compute_path(device: str, capability: tuple[int, int] | None, *, forced: bool = False,
-                     full_precision: bool = False) -> Fp8Compute:
+                     full_precision: bool = False, plain_cast: bool = False) -> Fp8Compute:
     """ComfyUI's choice for fp8 layers (``comfy.model_management.supports_fp8_compute``, ``comfy.ops``), as data.
 
     fp8 matmul on an NVIDIA GPU of compute ``capability`` >= 8.9, or anywhere ComfyUI's ``--supports-fp8-compute``
     (``forced``) says so; unless the checkpoint asks for full-precision matmul (scaled-fp8 files with a 2-element
     ``scaled_fp8`` marker, ``full_precision_matrix_mult`` layers). Everywhere else (CPU, older GPUs, ``capability``
     None: not an NVIDIA GPU, or a simulated one) each layer dequantizes its weight to the compute dtype and runs a
-    plain matmul.
+    plain matmul. ``plain_cast``: plain fp8 weights (no scales), which ComfyUI's ops cast per layer even where the
+    device has fp8 matmul, unless it runs with ``--fast fp8_matrix_mult`` (``comfy.ops.pick_operations``).
     """
     if full_precision:
         return Fp8Compute(device, False, "the checkpoint asks for full-precision matmul")
+    path = _device_fp8_path(device, capability, forced)
+    return Fp8Compute(device, False, PLAIN_FP8_CAST) if plain_cast and path.matmul else path
+
+
+def _device_fp8_path(device: str, capability: tuple[int, int] | None, forced: bool) -> Fp8Compute:
     if forced:
         return Fp8Compute(device, True, "--supports-fp8-compute")
     kind = torch.device(device).type
@@ -235,10 +242,13 @@ def fp8_compute_line(paths: Iterable[Fp8Compute | str]) -> str:
 
 def fp8_plan_line(weight_dtype: str | None, devices: Iterable[tuple[str, tuple[int, int] | None]]) -> str | None:
     """The plan's line for an fp8 DiT on ``devices`` (id, capability): None unless ``weight_dtype`` is fp8. Where a
-    GPU computes, the host RAM beside it (offload) only holds the weights."""
+    GPU computes, the host RAM beside it (offload) only holds the weights. The plan knows neither the file's fp8
+    kind nor ComfyUI's flags: where a GPU has fp8 matmul, the line says that plain fp8 files take it only with
+    ``--fast fp8_matrix_mult`` (the load log then names each rank's path)."""
     if not is_fp8_name(weight_dtype):
         return None
     devices = list(devices)
     computing = [d for d in devices if torch.device(d[0]).type != "cpu"] or devices
-    return (f"{fp8_compute_line(fp8_compute_path(device, capability) for device, capability in computing)} "
-            "(ComfyUI's choice for scaled-fp8 and quantized fp8 layers)")
+    paths = [fp8_compute_path(device, capability) for device, capability in computing]
+    plain = f"; {PLAIN_FP8_CAST}, else dequantize per layer" if any(p.matmul for p in paths) else ""
+    return f"{fp8_compute_line(paths)} (ComfyUI's choice for scaled-fp8 and quantized fp8 layers{plain})"
