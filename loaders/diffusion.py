@@ -45,7 +45,7 @@ from . import weight_patches
 from . import gguf_model
 from .model_files import dit_path
 from .plan_check import add_plan_check
-from .placement import NODE_OF_ROLE, live_devices, resolve
+from .placement import NODE_OF_ROLE, available_devices, host_context_gpus, resolve
 from .rank_factory import (agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized,
                            refuse_unknown_family)
 
@@ -89,7 +89,9 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     if choice.strategy == "fsdp":
         devices = pools.fsdp_devices(choice.devices, fsdp_ranks)
         reshard = choice.reshard_after_forward
-        if reshard is None:
+        if reshard is None:   # the room is weighed once the model this loader replaces has left the GPUs
+            pools.release_garbage()
+            pools.vacate(slot)
             reshard = not keeps_gathered(path, dtype, devices)
         sp = 1 if sequence_parallel == "off" else choice.sp_degree or len(devices)
         patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot, sp_degree=sp, plan=plan)
@@ -104,12 +106,13 @@ def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
     """No MGPU Plan connected: decide like a plan for the DiT alone on these ranks (its default workload) whether
     the gathered weights can stay between steps, from the file's header and the devices' free memory now."""
     from mgpu.planning.estimates import Workload
-    from mgpu.planning.partition import Component, keep_gathered
+    from mgpu.planning.partition import Component, Policy, keep_gathered
 
-    live = {d.id: d for d in live_devices()}
+    machine = available_devices()   # what our ranks and ComfyUI's cached models hold counts as ours
+    live = {d.id: d for d in machine}
     try:
         keep, why = keep_gathered(Component("dit", size_component(path), dtype), [live[d] for d in devices],
-                                  Workload())
+                                  Workload(), Policy(host_context_gpus=host_context_gpus(machine)))
     except (MgpuError, KeyError) as exc:
         keep, why = False, f"the gathered weights are freed after every step: cannot size the model here ({exc})"
     log.info("%s: no MGPU Plan: %s", NODE, why)

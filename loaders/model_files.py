@@ -34,7 +34,7 @@ from mgpu.planning.partition import (
 )
 from mgpu.planning.sizing import ComponentSize, size_component
 
-from .placement import live_devices
+from .placement import available_devices, host_context_gpus, live_devices
 
 # dit_low_noise: the second expert of a two-expert DiT (Wan 2.2 A14B), planned on the same devices as dit
 FOLDERS = {"dit": "diffusion_models", "dit_low_noise": "diffusion_models", "text_encoder": "text_encoders",
@@ -189,8 +189,11 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
         components.append(Component(role, _size(role, path), dtype))
     workload = Workload(width=request.width, height=request.height, frames=request.frames, batch=request.batch,
                         cfg=request.cfg)
-    policy = Policy(allow_offload=request.allow_offload, prefer_speed=request.prefer_speed)
-    return make_plan(components, plan_devices(request, live), workload, policy)
+    dits = [c.size.path for c in components if c.role in EXPERT_ROLES]   # their loaders replace the loaded copies
+    devices = plan_devices(request, live or (lambda: available_devices(dits)))
+    policy = Policy(allow_offload=request.allow_offload, prefer_speed=request.prefer_speed,
+                    host_context_gpus=host_context_gpus(devices))
+    return make_plan(components, devices, workload, policy)
 
 
 def comfy_folders() -> tuple[ListFiles, FullPath]:
@@ -272,7 +275,8 @@ def chart(plan: Plan) -> list[dict]:
     for use in plan.usage:
         phases = []
         for phase in PHASES:
-            segments = []
+            segments = [{"kind": "dit", "label": "FSDP rank process (CUDA context, NCCL)", "bytes": b}
+                        for p in plan.placements if (b := p.process_bytes.get(use.device))]   # every phase
             for p in _resident(plan, use.device):
                 if phase in phases_resident(p.role, p.strategy, policy):
                     what = _ROLE_LABEL[p.role] + (" shard" if p.strategy == "fsdp" else "")

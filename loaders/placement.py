@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from mgpu.planning.devices import Device, format_bytes, gpus, host, inventory
+from mgpu.planning.devices import Device, format_bytes, gpus, host, inventory, reclaim
 from mgpu.errors import MgpuError
+from mgpu.planning.estimates import CUDA_CONTEXT_BYTES
 
 log = logging.getLogger("mgpu")
 
@@ -75,8 +77,8 @@ def _comfy_record(device_id: str) -> Device:
                   total_bytes=int(mm.get_total_memory(dev)), free_bytes=int(mm.get_free_memory(dev)), source="torch")
 
 
-def _probe() -> list[Device]:
-    found = inventory()
+def _probe(own_pids: Collection[int] = ()) -> list[Device]:
+    found = inventory(own_pids=own_pids)
     ids = _comfy_device_ids()
     if ids is None:
         return found
@@ -103,6 +105,57 @@ def live_devices() -> list[Device]:
     "no GPU" warning each time the web page refreshes its device labels.
     """
     return _probe() if _live_gpu_ids() else inventory(CPU)
+
+
+def available_devices(replacing: Collection[str] = ()) -> list[Device]:
+    """``live_devices`` as a plan may use them: what this pack's rank processes hold on each GPU (NVML, per process)
+    and ComfyUI's cached models there count as available (``Device.reclaimable_bytes``), less what the loaded
+    models other than those of ``replacing`` (checkpoint paths the caller's loads replace) keep on their ranks; the
+    host's own context is added back where the plan counts it itself. A re-plan then does not count our own shards,
+    contexts and communicators as someone else's."""
+    from . import pools   # imports torch: only when planning for this machine
+
+    devices = _probe(pools.rank_pids()) if _live_gpu_ids() else inventory(CPU)
+    change = comfyui_held()
+    for device in host_context_gpus(devices):   # in use now; the plan counts it itself (Policy.host_context_gpus)
+        change[device] = change.get(device, 0) + CUDA_CONTEXT_BYTES
+    for device, nbytes in pools.staying_bytes(replacing).items():
+        change[device] = change.get(device, 0) - nbytes
+    return reclaim(devices, change)
+
+
+def comfyui_held() -> dict[str, int]:
+    """Per GPU, the bytes of the models ComfyUI's model management holds there now, which it unloads when a load
+    needs the room; {} outside ComfyUI."""
+    mm = sys.modules.get("comfy.model_management")
+    held: dict[str, int] = {}
+    for loaded in list(getattr(mm, "current_loaded_models", ())):
+        try:
+            device, nbytes = str(loaded.device), int(loaded.model_loaded_memory()) if loaded.model is not None else 0
+        except Exception:   # noqa: BLE001 - a model being unloaded on another thread: it holds nothing to count
+            continue
+        if device.startswith("cuda:") and nbytes > 0:
+            held[device] = held.get(device, 0) + nbytes
+    return held
+
+
+def host_context_gpus(devices: list[Device]) -> tuple[str, ...]:
+    """The GPUs of ``devices`` on which this ComfyUI process keeps a CUDA context while it runs: every GPU when
+    ComfyUI 0.33's dynamic VRAM is on (main.py: comfy-aimdo's ``init_devices`` over every GPU torch lists, when
+    ``enables_dynamic_vram()`` (no --disable-dynamic-vram, --highvram, --gpu-only, --novram, --cpu), an NVIDIA GPU
+    and torch >= 2.8, or --enable-dynamic-vram; it sets ``comfy.memory_management.aimdo_enabled``), else its main
+    GPU, whose memory it reads at import. None outside ComfyUI or on a CPU-only ComfyUI."""
+    mm = sys.modules.get("comfy.model_management")
+    if mm is None:
+        return ()
+    ids = [d.id for d in gpus(devices)]
+    if getattr(sys.modules.get("comfy.memory_management"), "aimdo_enabled", False):
+        return tuple(ids)
+    try:
+        main = str(mm.get_torch_device())
+    except Exception:   # noqa: BLE001 - a ComfyUI whose device query breaks: nothing known
+        return ()
+    return (main,) if main in ids else ()
 
 
 def device_choices(include_fsdp: bool = True, devices: list[Device] | None = None) -> list[str]:

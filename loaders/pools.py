@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import weakref
 from collections import deque
+from collections.abc import Collection
 
 from mgpu.errors import MgpuError, RankFailure
 from mgpu.planning.devices import Device
@@ -97,6 +99,39 @@ def occupy(slot: tuple | None, sharded) -> None:
         previous, _slots[slot] = _slots.get(slot), sharded
         if previous is not None and previous is not sharded and previous.loaded:
             _free(previous, f"was replaced by its loader ({slot[1]}) and may load again when used")
+
+
+def vacate(slot: tuple | None) -> None:
+    """The model ``slot``'s loader loaded before leaves the GPUs now (as ``occupy`` would at the load), so that what
+    is free on the ranks is weighed without it. It stays a working MODEL that reloads when sampled."""
+    if slot is None:
+        return
+    with _lock:
+        previous = _slots.get(slot)
+        if previous is not None and previous.loaded:
+            _free(previous, f"was replaced by its loader ({slot[1]}) and may load again when used")
+
+
+def rank_pids() -> list[int]:
+    """The process ids of every pool's running ranks: what NVML reports for them on a GPU is ours to reuse."""
+    with _lock:
+        running = list(_pools.values())
+    return [pid for pool in running for pid in pool.pids]
+
+
+def staying_bytes(replacing: Collection[str] = ()) -> dict[str, int]:
+    """Per device, what the loaded models stay holding on their ranks when the caller loads models of the checkpoints
+    ``replacing`` (whose loaded copies their loaders free first): each other model's shard, and its gathered weights
+    if it keeps them between steps (``load_replies``: the bytes each rank reported)."""
+    replaced = {os.path.realpath(p) for p in replacing}
+    held: dict[str, int] = {}
+    for model in list(_live):
+        if not model.loaded or os.path.realpath(model.spec.checkpoint) in replaced:
+            continue
+        for device, reply in zip(model.pool.config.devices, model.load_replies):
+            kept = 0 if model.spec.reshard_after_forward else int(reply.get("gathered_bytes_per_forward", 0))
+            held[device] = held.get(device, 0) + int(reply.get("local_param_bytes", 0)) + kept
+    return held
 
 
 def take_turns(sharded, others: list = ()) -> None:

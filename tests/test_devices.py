@@ -1,5 +1,6 @@
 """Device inventory: fake NVML/torch machines, CUDA_VISIBLE_DEVICES numbering, the spec grammar, JSON."""
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -25,8 +26,9 @@ class FakeNVML:
     """Just the pynvml calls devices.py makes, over a described machine; ``fail`` names calls that raise."""
 
     def __init__(self, gpus, nvlink=(), p2p=(), nvlink_bridges=None, ancestors=None, migs=None, fail=(),
-                 init_error=None):
+                 init_error=None, processes=None):
         self.gpus, self.migs = gpus, migs or {}
+        self.processes = processes or {}         # physical index -> [(pid, used bytes or None)]
         self.nvlink = {frozenset(p) for p in nvlink}
         self.p2p = {frozenset(p) for p in p2p} | self.nvlink
         self.bridges = nvlink_bridges or {}      # physical index -> remote bus ids seen by nvmlDeviceGetNvLinkState
@@ -104,6 +106,10 @@ class FakeNVML:
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
         return SimpleNamespace(busId=self.bridges[h[1]][link])
 
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        self._check("processes", h[1])
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.processes.get(h[1], ())]
+
 
 def gpu(name, gib, cc, bus, uuid, free_gib=None, gen=4, width=16):
     return dict(name=name, total=gib * GiB, free=(free_gib or gib) * GiB, cc=cc, bus=bus, uuid=uuid, gen=gen,
@@ -167,6 +173,32 @@ def mgpu_lines(caplog):
 
 
 # --- live inventory through NVML ------------------------------------------------------------------------------------
+
+def test_memory_our_processes_use_is_reclaimable(monkeypatch):
+    """NVML's per-process memory of the PIDs named ours becomes reclaimable (what a plan may reuse); another
+    process's memory, an unknown amount (None) and a GPU whose process list fails count as used."""
+    box = four_gpu_box(fail={("processes", 3)}, processes={
+        0: [(101, 6 * GiB), (999, 3 * GiB)], 1: [(102, 7 * GiB), (101, None)], 3: [(101, 1 * GiB)]})
+    use_nvml(monkeypatch, box)
+    ours = {d.id: d for d in inventory(own_pids=[101, 102])}
+    assert [ours[f"cuda:{i}"].reclaimable_bytes for i in range(4)] == [6 * GiB, 0, 0, 0]   # GPU 1's memory is unknown
+    assert ours["cuda:0"].available_bytes == 76 * GiB            # 70 GiB free + our 6 GiB; 999's 3 GiB stays used
+    assert all(d.reclaimable_bytes == 0 for d in inventory())     # nobody named: nothing is ours
+    box.gpus[1] = gpu(H100, 80, (9, 0), "00000000:2A:00.0", UUIDS[1], free_gib=60, gen=5)
+    box.fail.discard(("memory", 1))
+    assert {d.id: d for d in inventory(own_pids=[102])}["cuda:1"].reclaimable_bytes == 7 * GiB
+    assert Device.from_dict(ours["cuda:0"].to_dict()) == ours["cuda:0"]
+
+
+def test_reclaim_adds_and_removes_within_what_is_in_use():
+    a, b = parse_spec("2x24GiB")
+    a = dataclasses.replace(a, free_bytes=10 * GiB, reclaimable_bytes=4 * GiB)
+    out = dev.reclaim([a, b], {"cuda:0": 20 * GiB, "cuda:1": 1 * GiB})
+    assert out[0].reclaimable_bytes == 14 * GiB      # never more than the 14 GiB in use
+    assert out[1] == b                               # all free already: nothing to reclaim
+    assert dev.reclaim([a], {"cuda:0": -6 * GiB})[0].reclaimable_bytes == 0
+
+
 
 def test_nvml_records_links_and_broken_calls(monkeypatch, caplog):
     nvml = use_nvml(monkeypatch, four_gpu_box())

@@ -11,7 +11,8 @@ from mgpu.errors import SizingError
 from mgpu.planning.estimates import (ACTIVATION_SAFETY, COMFYUI_MIN_INFERENCE_BYTES, CUDA_OVERHEAD_BYTES, MiB, GiB, Workload,
                             comfyui_memory_required, comfyui_reservation_bytes, comfyui_vae_decode_bytes,
                             dit_activation_bytes, dit_tokens, dit_working_bytes, fsdp_buffer_bytes,
-                            nccl_buffer_bytes, text_encoder_activation_bytes, text_encoder_working_bytes,
+                            GPU_PROCESS_GUESSES, nccl_communicator_bytes, nccl_communicators, rank_process_bytes,
+                            text_encoder_activation_bytes, text_encoder_working_bytes,
                             vae_activation_bytes, vae_decode_bytes, weight_bytes)
 from mgpu.planning.sizing import size_component, size_from_bytes
 
@@ -105,8 +106,8 @@ def test_one_gpu_reserves_comfyuis_own_memory_required_when_it_is_larger(sizes):
     ours = ACTIVATION_SAFETY * dit_activation_bytes(wan, dit_tokens(wan, P720))
     assert ours < required
     assert dit_working_bytes(wan, P720, batch=1) == required + 400 * MiB + CUDA_OVERHEAD_BYTES
-    # FSDP ranks: ComfyUI reserves nothing there, so only ours counts
-    assert dit_working_bytes(wan, P720, batch=1, comfyui=False) == math.ceil(ours) + CUDA_OVERHEAD_BYTES
+    # FSDP ranks: ComfyUI reserves nothing there, so only ours counts (their process memory: rank_process_bytes)
+    assert dit_working_bytes(wan, P720, batch=1, comfyui=False) == math.ceil(ours)
 
 
 def test_small_models_get_at_least_comfyuis_minimum_inference_memory(sizes):
@@ -178,22 +179,41 @@ def test_causal_wan_decode_barely_depends_on_frames_but_ltxv_does(sizes):
 
 # ----------------------------------------------------------------------------------------------- FSDP
 
-def test_nccl_buffers_per_rank():
-    assert nccl_buffer_bytes(1) == 0  # a lone rank talks to nobody
-    assert nccl_buffer_bytes(2) == 4 * MiB * 32  # one ring neighbour
-    assert nccl_buffer_bytes(3) == nccl_buffer_bytes(8) == 4 * MiB * 32 * 2
+def test_nccl_communicators_are_world_plus_one_group_per_sequence_degree():
+    """WORLD for FSDP, and one group per sequence degree d > 1 the load sets up: d divides the ranks and the heads,
+    up to the load's sequence degree. The gloo control group holds no GPU memory; a lone rank has none."""
+    assert nccl_communicators(1, 40, 1) == []
+    assert nccl_communicators(2, 40, 1) == [2]              # CFG split only
+    assert nccl_communicators(2, 40, 2) == [2, 2]
+    assert nccl_communicators(8, 40, 8) == [8, 2, 4, 8]     # 40 heads: 2, 4 and 8 divide them
+    assert nccl_communicators(6, 40, 6) == [6, 2]           # 3 and 6 do not divide 40
+    assert nccl_communicators(4, None, 4) == [4]            # no heads known: no sequence groups
+
+
+def test_a_rank_keeps_its_context_and_every_communicator_for_its_whole_life():
+    g = GPU_PROCESS_GUESSES
+    assert CUDA_OVERHEAD_BYTES == g["cuda_context"] + g["libraries"] >= 1 * GiB   # the issue's >= 1 GiB per GPU
+    assert nccl_communicator_bytes(2) == g["nccl_communicator"] + g["nccl_ring_neighbour"]   # one neighbour
+    assert nccl_communicator_bytes(3) == nccl_communicator_bytes(8) == g["nccl_communicator"] + 2 * g["nccl_ring_neighbour"]
+    assert nccl_communicator_bytes(8, nvls=True) == nccl_communicator_bytes(8) + g["nccl_nvls"]
+    assert rank_process_bytes(1, 40, 1) == CUDA_OVERHEAD_BYTES
+    two = rank_process_bytes(2, 40, 2)
+    eight = rank_process_bytes(8, 40, 8)
+    assert two == CUDA_OVERHEAD_BYTES + 2 * nccl_communicator_bytes(2)
+    assert eight == CUDA_OVERHEAD_BYTES + nccl_communicator_bytes(2) + 3 * nccl_communicator_bytes(8)
+    assert eight > two + 1 * GiB    # 8 ranks: 4 communicators, each with two ring neighbours
 
 
 def test_fsdp_buffers_hold_three_blocks_in_the_gather_dtype(sizes):
     """Computing + prefetched block, and the prefetched block's all-gather output until its copy-out."""
     wan = sizes["wan14"]
     block = max(wan.blocks[0].bytes_per_block)  # 702.8 MB in bf16
-    assert fsdp_buffer_bytes(wan, 2, gather_itemsize=2) == pytest.approx(3 * block + nccl_buffer_bytes(2), abs=8)
+    assert fsdp_buffer_bytes(wan, gather_itemsize=2) == pytest.approx(3 * block, abs=8)
     # fp8 weights travel as fp8; ComfyUI's ops then cast one layer at a time (the FFN's 5120 x 13824) to bf16
-    fp8 = fsdp_buffer_bytes(wan, 4, gather_itemsize=1)
-    assert fp8 == pytest.approx(3 * block / 2 + 5120 * 13824 * 2 + nccl_buffer_bytes(4), rel=1e-3)
-    fewer = fsdp_buffer_bytes(wan, 2, gather_itemsize=2, gathered_blocks=1)
-    assert fewer < fsdp_buffer_bytes(wan, 2, gather_itemsize=2)
+    fp8 = fsdp_buffer_bytes(wan, gather_itemsize=1)
+    assert fp8 == pytest.approx(3 * block / 2 + 5120 * 13824 * 2, rel=1e-3)
+    fewer = fsdp_buffer_bytes(wan, gather_itemsize=2, gathered_blocks=1)
+    assert fewer < fsdp_buffer_bytes(wan, gather_itemsize=2)
 
 
 # -------------------------------------------------------------------------------------------- weights

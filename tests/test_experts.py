@@ -121,10 +121,10 @@ def test_the_plans_one_at_a_time_also_frees_an_expert_its_loader_loaded_without_
 
 
 @pytest.mark.parametrize("free, keep, others_keep, turns", [
-    (24 * GiB, False, False, False),   # 6.9 GiB shard + 6 GiB working fit in 23.5 GiB
-    (12 * GiB, False, False, True),    # do not fit in 11.5 GiB
+    (24 * GiB, False, False, False),   # 6.9 GiB shard + 4.9 GiB working fit in 23.5 GiB (the ranks' own memory
+    (12 * GiB, False, False, True),    # do not fit in 11.5 GiB                  is already taken from their free)
     (24 * GiB, True, False, True),     # + its whole gathered model (13.3 GiB) does not fit
-    (24 * GiB, False, True, True),     # + the 11 GiB the other keeps gathered does not fit
+    (23 * GiB, False, True, True),     # + the 11 GiB the other keeps gathered does not fit in 22.5 GiB
 ])
 def test_without_a_plan_the_ranks_free_memory_decides(clean_pools, tmp_path, free, keep, others_keep, turns):
     high_size, low_size = _plan_files(tmp_path)

@@ -14,8 +14,8 @@ from mgpu.planning.devices import parse_spec
 from mgpu.errors import PlanError
 import math
 
-from mgpu.planning.estimates import (Workload, dit_working_bytes, fsdp_buffer_bytes, vae_decode_bytes,
-                                     vae_parallel_decode_bytes, weight_bytes)
+from mgpu.planning.estimates import (Workload, dit_working_bytes, fsdp_buffer_bytes,
+                                     rank_process_bytes, vae_decode_bytes, vae_parallel_decode_bytes, weight_bytes)
 from mgpu.planning.partition import PHASES, Component, Plan, Policy, keep_gathered, make_plan
 from mgpu.planning.sizing import size_component
 
@@ -111,14 +111,17 @@ def test_four_16gib_gpus(wan14b):
     with pytest.raises(PlanError, match="sharded over 4 GPUs"):
         plan(wan14b, "4x16GiB:pcie,cpu=64GiB", sequence_parallel=False)
     p = plan(wan14b, "4x16GiB:pcie,cpu=64GiB", dit_dtype="fp8_e4m3fn")
-    # Three of the four: the calibrated Wan 14B activations (9.75 bytes x hidden per token, x 1.2 safety: 8.4 GiB per
-    # batch item at 720p; the uncalibrated formula said 9.4 GiB) leave room for a third of the fp8 weights, its
-    # all-gather buffers and NCCL's. Fewest GPUs that fit wins.
-    assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1", "cuda:2"])
+    # All four: on three, the calibrated Wan 14B activations (9.75 bytes x hidden per token, x 1.2 safety: 8.4 GiB per
+    # batch item at 720p) beside a third of the fp8 weights, its all-gather buffers and the rank process (context,
+    # libraries and a 3-rank NCCL communicator: 1.7 GiB) need 15.9 GiB of the 15.5 GiB budget.
+    with pytest.raises(PlanError, match=r"sharded over 3 GPUs needs 15.9 GiB per rank .* 1.7 GiB rank process"):
+        make_plan([Component("dit", wan14b["dit"], "fp8_e4m3fn")], parse_spec("3x16GiB:pcie,cpu=64GiB"), HD_81)
+    assert strategies(p)["dit"] == ("fsdp", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
     assert p.placement("dit").batch_per_rank == 1
-    # untiled decode (13.4 GiB by the rule) does not fit beside a shard, but the GPU the DiT left free holds it
+    # untiled decode (13.4 GiB by the rule) does not fit beside a shard and the rank process: its tiles are split
     vae = p.placement("vae")
-    assert (vae.devices, vae.tiled) == (["cuda:3"], False)
+    assert (vae.strategy, vae.devices, vae.tiled) == ("split", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"], True)
+    assert "FSDP rank process 2.2 GiB" in " ".join(vae.reasons)
     assert_within_budgets(p)
 
 
@@ -140,12 +143,14 @@ def test_fsdp_is_bounded_by_the_smallest_gpu(wan14b):
     assert any("smallest member bounds" in r for r in p.placement("dit").reasons)
 
 
-def _fsdp_rank_need(sizes, workload: Workload, ranks: int) -> int:
-    """A rank's need recomputed from the estimates: its shard, the root unit, activations, FSDP and NCCL buffers."""
+def _fsdp_rank_need(sizes, workload: Workload, ranks: int, sp: int = 1) -> int:
+    """A rank's need recomputed from the estimates: its shard, the root unit, activations, FSDP's buffers and the
+    rank process's own memory (context, libraries, NCCL communicators)."""
     dit = sizes["dit"]
     resident = math.ceil(dit.total_bytes / ranks) + dit.bytes_outside_blocks
-    buffers = fsdp_buffer_bytes(dit, ranks, gather_itemsize=2)
-    return resident + dit_working_bytes(dit, workload, batch=1, comfyui=False) + buffers
+    buffers = fsdp_buffer_bytes(dit, gather_itemsize=2)
+    process = rank_process_bytes(ranks, dit.dims["heads"], sp)
+    return resident + dit_working_bytes(dit, workload, batch=1, comfyui=False) + buffers + process
 
 
 def _gpus(budget: int, count: int) -> str:
@@ -154,8 +159,8 @@ def _gpus(budget: int, count: int) -> str:
 
 
 def test_fsdp_need_includes_the_all_gather_and_nccl_buffers(wan14b):
-    """Two GPUs with exactly a rank's need shard the DiT; one byte less is refused, so the buffers (2.1 GiB of
-    gathered blocks in bf16 and 128 MiB of NCCL buffers for Wan 14B) are counted, not just shard + activations."""
+    """Two GPUs with exactly a rank's need shard the DiT; one byte less is refused, so the buffers (2 GiB of gathered
+    blocks in bf16 for Wan 14B) and the rank process (1.5 GiB) are counted, not just shard + activations."""
     dit = [Component("dit", wan14b["dit"])]
     need = _fsdp_rank_need(wan14b, SD_81, 2)
     p = make_plan(dit, parse_spec(_gpus(need, 2)), SD_81)
@@ -164,8 +169,8 @@ def test_fsdp_need_includes_the_all_gather_and_nccl_buffers(wan14b):
     assert all(u.headroom_bytes == 0 for u in p.usage if u.device != "cpu")
     with pytest.raises(PlanError, match="sharded over 2 GPUs needs"):
         make_plan(dit, parse_spec(_gpus(need - 1, 2)), SD_81)
-    buffers = fsdp_buffer_bytes(wan14b["dit"], 2, gather_itemsize=2)
-    assert buffers > 2 * GiB  # what a plan without them would have wrongly accepted
+    buffers = fsdp_buffer_bytes(wan14b["dit"], gather_itemsize=2)
+    assert buffers + rank_process_bytes(2, 40, 1) > 3 * GiB  # what a plan without them would have wrongly accepted
 
 
 def test_one_gpu_needs_comfyuis_reservation_beside_the_weights(wan14b):
@@ -211,9 +216,10 @@ def _decode_plan(sizes, spec: str, workload: Workload = HD_81, **policy) -> Plan
 
 
 def test_a_long_video_that_no_gpu_decodes_beside_the_shards_is_split_over_them(wan14b):
-    """720p, 81 frames on 2 x 20 GiB: at decode time each GPU holds its DiT shard, 12.6 GiB left of 19.5; the
-    untiled decode needs 13.6 GiB on one GPU, a split decode 5.3 GiB on each (a VAE copy, one tile, a CUDA context).
-    The DiT's working memory (10.7 GiB per rank) is not held then: its ranks released it when sampling ended."""
+    """720p, 81 frames on 2 x 20 GiB: at decode time each GPU holds its DiT shard and its rank process (context,
+    libraries, NCCL), 11.1 GiB left of 19.5; the untiled decode needs 13.6 GiB on one GPU, a split decode 5.3 GiB on
+    each (a VAE copy, one tile, a CUDA context). The DiT's working memory is not held then: its ranks released it
+    when sampling ended."""
     p = _decode_plan(wan14b, "2x20GiB,cpu=64GiB")
     dit, vae = p.placement("dit"), p.placement("vae")
     assert (vae.strategy, vae.devices, vae.tiled) == ("split", ["cuda:0", "cuda:1"], True)
@@ -223,17 +229,18 @@ def test_a_long_video_that_no_gpu_decodes_beside_the_shards_is_split_over_them(w
         dev = use.device
         assert vae.resident_bytes[dev] == weight_bytes(wan14b["vae"], None)
         assert vae.resident_bytes[dev] + vae.working_bytes[dev] == each
-        held = dit.resident_bytes[dev]   # the shard; the working memory counts while sampling only
+        held = dit.resident_bytes[dev] + dit.process_bytes[dev]   # the working memory counts while sampling only
         assert use.by_phase["sample"] == held + dit.working_bytes[dev]
         assert use.by_phase["decode"] == held + each <= use.budget_bytes
         assert held + untiled > use.budget_bytes   # the one-GPU decode does not fit beside it
     text = p.table()
     assert ("vae: split on cuda:0, cuda:1 (wan-vae, bf16, 242 MiB)\n"
             "  - untiled on one GPU needs 13.6 GiB (242 MiB weights + 13.4 GiB working, the whole video at once); "
-            "free at decode: cuda:0 12.6 GiB (beside DiT shard 6.9 GiB), cuda:1 12.6 GiB (beside DiT shard 6.9 GiB)\n"
+            "free at decode: cuda:0 11.1 GiB (beside DiT shard 6.9 GiB + FSDP rank process 1.5 GiB), cuda:1 11.1 GiB "
+            "(beside DiT shard 6.9 GiB + FSDP rank process 1.5 GiB)\n"
             "  - decoded in tiles split over 2 GPUs by MGPU VAE Decode (devices auto, this plan connected): 5.3 GiB "
-            "on each GPU (242 MiB VAE copy + 4 GiB one tile of 512 px x 64 frames + 1 GiB CUDA context), whatever "
-            "the video's length\n"
+            "on each GPU (242 MiB VAE copy + 4 GiB one tile of 512 px x 64 frames + 1 GiB CUDA context and "
+            "libraries), whatever the video's length\n"
             "  - cuda:0 loads the VAE (MGPU Load VAE on auto) and decodes with it, cuda:1 with a copy") in text
     assert "VAE (split decode)" in p.usage[0].holds
     assert Plan.from_json(p.to_json()) == p
@@ -266,30 +273,30 @@ def test_a_short_video_decodes_on_one_gpu(wan14b, speed):
         dit = p.placement("dit")
         assert dit.strategy == "fsdp" and vae.devices[0] in dit.devices
         use = p.usage[0]
-        assert use.by_phase["decode"] == (dit.resident_bytes["cuda:0"]
+        assert use.by_phase["decode"] == (dit.resident_bytes["cuda:0"] + dit.process_bytes["cuda:0"]
                                           + vae.resident_bytes["cuda:0"] + vae.working_bytes["cuda:0"])
     assert_within_budgets(p)
 
 
 def test_a_decode_that_fits_nowhere_names_each_device_and_its_bytes(wan14b):
-    """720p, 9 frames on 2 x 11 GiB: 3.6 GiB left per GPU at decode beside the shard, under the 4.9 GiB a split
+    """720p, 9 frames on 2 x 12.5 GiB: 3.6 GiB left per GPU at decode beside the shard and the rank process, under the 4.9 GiB a split
     decode needs on each and the 4.3 GiB of a tiled one; 8 GiB of host RAM (4 GiB budget) cannot decode it either."""
     brief = Workload(1280, 720, 9, 1, True)
     with pytest.raises(PlanError) as info:
-        _decode_plan(wan14b, "2x11GiB,cpu=8GiB", brief)
+        _decode_plan(wan14b, "2x12.5GiB,cpu=8GiB", brief)
     msg = str(info.value)
     assert msg.startswith("cannot place the vae (")
-    beside = "(beside DiT shard 6.9 GiB)"
+    beside = "(beside DiT shard 6.9 GiB + FSDP rank process 1.5 GiB)"
     assert (f"VAE untiled on one GPU needs 13.6 GiB (242 MiB weights + 13.4 GiB working, the whole video at once); "
             f"free at decode: cuda:0 3.6 GiB {beside}, cuda:1 3.6 GiB {beside}") in msg
     assert ("VAE split over GPUs by MGPU VAE Decode needs 4.9 GiB on each GPU (242 MiB VAE copy + 3.7 GiB one tile "
-            "of 512 px x 64 frames + 1 GiB CUDA context) on at least 2 GPUs; no GPU has that room") in msg
+            "of 512 px x 64 frames + 1 GiB CUDA context and libraries) on at least 2 GPUs; no GPU has that room") in msg
     assert "VAE tiled on one GPU needs 4.3 GiB" in msg
     assert "VAE on the CPU needs 4.3 GiB of host RAM (tiled); budget left is 4 GiB" in msg
     assert "ways out: use more GPUs; give the host more free RAM" in msg and "offload" not in msg
     assert {n["device"] for n in info.value.needs} == {"cuda:0", "cuda:1", "cpu"}
     # with host RAM to spare it decodes there, and says why no GPU does
-    vae = _decode_plan(wan14b, "2x11GiB,cpu=64GiB", brief).placement("vae")
+    vae = _decode_plan(wan14b, "2x12.5GiB,cpu=64GiB", brief).placement("vae")
     assert vae.strategy == "cpu" and "no GPU has room left: decodes on the CPU (slow)" in vae.reasons
 
 
@@ -351,6 +358,9 @@ def _recomputed_usage(p: Plan) -> dict[str, dict[str, int]]:
                 use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b
         for dev, b in pl.working_bytes.items():
             for ph in working:
+                use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b
+        for dev, b in pl.process_bytes.items():   # FSDP rank processes: every phase
+            for ph in PHASES:
                 use.setdefault(dev, dict.fromkeys(PHASES, 0))[ph] += b
     return use
 
@@ -500,8 +510,8 @@ def test_two_experts_on_one_big_gpu_are_both_resident(wan22):
 
 
 def test_two_experts_sharded_both_resident_when_both_shards_and_one_working_fit(wan22):
-    """640x640 (ComfyUI's Wan 2.2 template size) on 2x24GiB: 6.9 + 6.9 GiB of shards + 6 GiB working for one
-    expert at a time fit in 23.5 GiB per rank, so switching experts reloads nothing."""
+    """640x640 (ComfyUI's Wan 2.2 template size) on 2x24GiB: 6.9 + 6.9 GiB of shards + 1.5 GiB rank process + 4.9 GiB
+    working for one expert at a time fit in 23.5 GiB per rank, so switching experts reloads nothing."""
     p = plan22(wan22, "2x24GiB,cpu=64GiB", Workload(640, 640, 81, 1, True))
     high, low = _experts(p)
     for placed in (high, low):
@@ -509,15 +519,17 @@ def test_two_experts_sharded_both_resident_when_both_shards_and_one_working_fit(
         assert placed.switch_s is None
     for u in p.usage[:2]:
         assert u.by_phase["sample"] == (high.resident_bytes[u.device] + low.resident_bytes[u.device]
+                                        + high.process_bytes[u.device]   # one rank process for both experts
                                         + max(high.working_bytes[u.device], low.working_bytes[u.device]))
+        assert not low.process_bytes
         assert "DiT shards (2 experts)" in u.holds
     assert any("both resident" in r and "reloads nothing" in r for r in high.reasons)
     assert_within_budgets(p)
 
 
 def test_wan22_a14b_fp8_on_two_24gib_gpus_at_720p_takes_the_experts_one_at_a_time(wan22):
-    """The README's plan: both shards (2 x 6.9 GiB) plus one expert's 720p working memory (10.7 GiB) is 24.4 GiB
-    per rank, over the 23.5 GiB budget; one at a time needs 17.5 GiB. Each switch reads the next expert's 1/2 per
+    """The README's plan: both shards (2 x 6.9 GiB), the rank process (1.5 GiB) and one expert's 720p working memory
+    (9.5 GiB) is 24.8 GiB per rank, over the 23.5 GiB budget; one at a time needs 18 GiB. Each switch reads the next expert's 1/2 per
     rank, 14.3 GB from one disk: ~7.1 s at 2 GB/s, two switches per prompt."""
     p = plan22(wan22, "2x24GiB,cpu=64GiB")
     high, low = _experts(p)
@@ -526,13 +538,15 @@ def test_wan22_a14b_fp8_on_two_24gib_gpus_at_720p_takes_the_experts_one_at_a_tim
     assert high.reshard_after_forward and low.reshard_after_forward
     assert high.switch_s == pytest.approx(wan22["dit"].total_bytes / DISK_BYTES_PER_S, abs=0.01)
     assert high.switch_s == pytest.approx(7.1, abs=0.1)
-    shard, working = high.resident_bytes["cuda:1"], high.working_bytes["cuda:1"]
+    shard, working, process = (high.resident_bytes["cuda:1"], high.working_bytes["cuda:1"],
+                               high.process_bytes["cuda:1"])
     budget = p.usage[1].budget_bytes
-    assert 2 * shard + working > budget >= shard + working   # both do not fit, one does
-    assert p.usage[1].by_phase["sample"] == shard + working   # the plan counts one expert's shard, never both
+    assert 2 * shard + process + working > budget >= shard + process + working   # both do not fit, one does
+    assert p.usage[1].by_phase["sample"] == shard + process + working   # one expert's shard, never both
+    assert p.usage[1].by_phase["decode"] == shard + process   # the rank process stays after sampling
     text = "\n".join(high.reasons)
-    assert "both experts resident would need 24.4 GiB per rank" in text and "over the 23.5 GiB budget" in text
-    assert "one expert at a time (17.5 GiB per rank)" in text
+    assert "both experts resident would need 24.8 GiB per rank" in text and "over the 23.5 GiB budget" in text
+    assert "one expert at a time (18 GiB per rank)" in text
     assert "~7.1 s at an assumed 2 GB/s (NVMe)" in text and "~14.3 s per prompt" in text
     assert "page cache" in text   # 64 GiB of host RAM holds both files
     assert low.reasons == ["the low-noise expert: fsdp on the same devices as the high-noise one (one at a time; "
@@ -560,8 +574,8 @@ def test_experts_that_do_not_fit_even_one_at_a_time_say_both_needs(wan22):
         plan22(wan22, "2x16GiB,cpu=64GiB")
     msg = str(info.value)
     assert msg.startswith("cannot place the DiT experts (") and "low_noise" in msg
-    assert "both DiT experts (resident together) sharded over 2 GPUs needs 24.4 GiB per rank" in msg
-    assert "one DiT expert at a time sharded over 2 GPUs needs 17.5 GiB per rank" in msg
+    assert "both DiT experts (resident together) sharded over 2 GPUs needs 24.8 GiB per rank" in msg
+    assert "one DiT expert at a time sharded over 2 GPUs needs 18 GiB per rank" in msg
     assert "smallest budget is 15.5 GiB" in msg and "fewer frames" in msg
 
 

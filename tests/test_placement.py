@@ -173,9 +173,9 @@ def test_a_plan_for_other_devices_is_refused_with_the_way_out(wan14b):
 # --- the live machine ---------------------------------------------------------------------------------------------
 
 def test_live_choices_come_from_the_inventory(monkeypatch):
-    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("3x8GiB,cpu=16GiB"))
+    monkeypatch.setattr(placement, "inventory", lambda **_: parse_spec("3x8GiB,cpu=16GiB"))
     assert device_choices() == ["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "fsdp"]
-    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("1x8GiB,cpu=16GiB"))
+    monkeypatch.setattr(placement, "inventory", lambda **_: parse_spec("1x8GiB,cpu=16GiB"))
     assert device_choices() == ["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "fsdp"]  # read once per process
     assert resolve("cuda:0", "vae").devices == ["cuda:0"]  # resolve reads the machine afresh
     with pytest.raises(MgpuError, match="cuda:2 does not exist"):
@@ -186,7 +186,7 @@ def test_without_gpus_the_driver_is_probed_once(monkeypatch):
     """The web page re-reads labels on every queue change; a GPU-less machine must not re-probe (and re-warn)."""
     probes = []
 
-    def counting(spec=None):
+    def counting(spec=None, **_):
         probes.append(spec)
         return parse_spec(spec or "cpu=16GiB")
 
@@ -197,7 +197,7 @@ def test_without_gpus_the_driver_is_probed_once(monkeypatch):
 
 
 def test_a_broken_inventory_leaves_cpu_and_one_log_line(monkeypatch, caplog):
-    def broken():
+    def broken(**_):
         raise MgpuError("environment variable MGPU_DEVICES: bad device spec '2x'")
 
     monkeypatch.setattr(placement, "inventory", broken)
@@ -219,7 +219,7 @@ def _fake_comfy(monkeypatch, listing):
 
 def test_comfyuis_device_list_wins_when_it_exists(monkeypatch):
     """ComfyUI 2026 lists its GPUs itself; NVML details are kept where it has them."""
-    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("1x24GiB,cpu=16GiB"))
+    monkeypatch.setattr(placement, "inventory", lambda **_: parse_spec("1x24GiB,cpu=16GiB"))
     _fake_comfy(monkeypatch, lambda: [torch.device("cuda", 0), torch.device("cuda", 1)])
     devices = placement.live_devices()
     assert [d.id for d in devices] == ["cuda:0", "cuda:1", "cpu"]
@@ -232,7 +232,7 @@ def test_a_failing_comfyui_device_list_falls_back(monkeypatch, caplog):
     def broken():
         raise RuntimeError("no CUDA")
 
-    monkeypatch.setattr(placement, "inventory", lambda: parse_spec("1x24GiB,cpu=16GiB"))
+    monkeypatch.setattr(placement, "inventory", lambda **_: parse_spec("1x24GiB,cpu=16GiB"))
     _fake_comfy(monkeypatch, broken)
     with caplog.at_level(logging.WARNING, logger="mgpu"):
         assert [d.id for d in placement.live_devices()] == ["cuda:0", "cpu"]

@@ -29,7 +29,8 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from collections.abc import Collection
+from dataclasses import dataclass, fields, replace
 from decimal import Decimal
 
 from mgpu.errors import DeviceSpecError
@@ -79,6 +80,14 @@ class Device:
     links: tuple[tuple[int, str], ...] = ()   # (peer ordinal, "nvlink" | "p2p" | "pcie"); unknown peers left out
     simulated: bool = False
     source: str = "nvml"         # "nvml" | "torch" | "host" | "spec"
+    # Of the memory in use, what this pack's rank processes and ComfyUI's cached models hold: the models a plan loads
+    # replace it, so a plan counts it as available (``available_bytes``) instead of counting our own shards twice.
+    reclaimable_bytes: int = 0
+
+    @property
+    def available_bytes(self) -> int:
+        """Free memory plus what is ours to reuse: what a plan's budget starts from."""
+        return self.free_bytes + self.reclaimable_bytes
 
     def link(self, peer: int) -> str | None:
         """How this GPU reaches GPU ``peer``: the partitioner prices collectives by it. None when unknown."""
@@ -102,6 +111,7 @@ class Device:
                 pcie_gen=d.get("pcie_gen"), pcie_width=d.get("pcie_width"),
                 links=tuple((int(peer), str(kind)) for peer, kind in d.get("links", ())),
                 simulated=bool(d.get("simulated", False)), source=str(d.get("source", "nvml")),
+                reclaimable_bytes=int(d.get("reclaimable_bytes", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise DeviceSpecError(f"device record {d!r} cannot be read ({type(exc).__name__}: {exc}); "
@@ -116,6 +126,14 @@ def gpus(devices: list[Device]) -> list[Device]:
 def host(devices: list[Device]) -> Device | None:
     """The host RAM record, the place of last resort for offloaded weights; None when left out."""
     return next((d for d in devices if d.kind == "cpu"), None)
+
+
+def reclaim(devices: list[Device], change: dict[str, int]) -> list[Device]:
+    """``devices`` with ``change`` (device id -> bytes) added to their reclaimable bytes: what else the caller owns
+    and replaces (ComfyUI's cached models), less what stays (other models on our ranks); kept within what is in use."""
+    return [replace(d, reclaimable_bytes=min(max(0, d.reclaimable_bytes + change[d.id]),
+                                             max(0, d.total_bytes - d.free_bytes)))
+            if change.get(d.id) else d for d in devices]
 
 
 def format_bytes(n: int) -> str:
@@ -205,11 +223,12 @@ def format_spec(devices: list[Device]) -> str:
     return ",".join(parts + ([f"cpu={_exact_size(cpu.total_bytes)}"] if cpu else []))
 
 
-def inventory(spec: str | None = None, include_cpu: bool = True) -> list[Device]:
+def inventory(spec: str | None = None, include_cpu: bool = True, own_pids: Collection[int] = ()) -> list[Device]:
     """Devices to plan for: ``spec``, else env MGPU_DEVICES, else the live GPUs; host RAM last when include_cpu.
 
     A blank spec counts as none, so an empty UI field means "this machine". Never raises because NVML or the
-    driver is missing or broken: that leaves cpu only, said in one log line.
+    driver is missing or broken: that leaves cpu only, said in one log line. ``own_pids``: processes whose GPU
+    memory is ours to reuse (``live_gpus``).
     """
     if spec is not None and spec.strip():
         devices = parse_spec(spec)
@@ -219,7 +238,7 @@ def inventory(spec: str | None = None, include_cpu: bool = True) -> list[Device]
         except DeviceSpecError as exc:
             raise DeviceSpecError(f"environment variable MGPU_DEVICES: {exc}") from None
     else:
-        devices = live_gpus()
+        devices = live_gpus(own_pids)
     if not include_cpu:
         return gpus(devices)
     return devices if host(devices) else devices + [_host()]
@@ -289,12 +308,15 @@ def _host() -> Device:
 
 # --- live GPUs ----------------------------------------------------------------------------------------------------
 
-def live_gpus() -> list[Device]:
-    """This machine's GPUs (never a simulated spec): NVML first (topology, PCIe, no CUDA context), torch.cuda when NVML is missing; [] when neither works."""
+def live_gpus(own_pids: Collection[int] = ()) -> list[Device]:
+    """This machine's GPUs (never a simulated spec): NVML first (topology, PCIe, no CUDA context), torch.cuda when NVML is missing; [] when neither works.
+
+    ``own_pids``: this pack's rank processes. What NVML says they use on a GPU becomes its ``reclaimable_bytes``
+    (torch.cuda cannot tell processes apart: none there)."""
     try:
         import pynvml
 
-        return _nvml_gpus(pynvml)
+        return _nvml_gpus(pynvml, frozenset(own_pids))
     except Exception as exc:  # library missing, driver/library mismatch, GPU lost: all mean "ask torch"
         nvml_why = _why(exc)
     try:
@@ -333,7 +355,7 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _nvml_gpus(nv) -> list[Device]:
+def _nvml_gpus(nv, own_pids: frozenset[int] = frozenset()) -> list[Device]:
     nv.nvmlInit()
     try:
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
@@ -348,7 +370,7 @@ def _nvml_gpus(nv) -> list[Device]:
                         os.environ.get("CUDA_VISIBLE_DEVICES"), len(handles))
             return []
         links = _nvml_links(nv, visible)
-        records = [_nvml_record(nv, i, handle, links[i]) for i, (handle, _) in enumerate(visible)]
+        records = [_nvml_record(nv, i, handle, links[i], own_pids) for i, (handle, _) in enumerate(visible)]
         if torch_order is None and len({d.name for d in records}) > 1 \
                 and os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") != "PCI_BUS_ID":
             log.warning("GPUs of different models and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA may number the "
@@ -367,7 +389,17 @@ def _try(fn, *args):
         return None
 
 
-def _nvml_record(nv, ordinal: int, handle, links: tuple[tuple[int, str], ...]) -> Device:
+def _own_bytes(nv, handle, own_pids: frozenset[int]) -> int:
+    """Bytes NVML attributes to ``own_pids`` on this GPU; 0 when it cannot say (no per-process accounting, e.g.
+    WDDM; or PIDs from another PID namespace, as in most containers: then our memory counts as used, erring safe)."""
+    if not own_pids:
+        return 0
+    running = _try(nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
+    return sum(int(p.usedGpuMemory or 0) for p in running if p.pid in own_pids)
+
+
+def _nvml_record(nv, ordinal: int, handle, links: tuple[tuple[int, str], ...],
+                 own_pids: frozenset[int] = frozenset()) -> Device:
     mem = _try(nv.nvmlDeviceGetMemoryInfo, handle)
     if mem is None:
         log.warning("cuda:%d: NVML could not read its memory; counting it as 0 bytes, so nothing is placed there",
@@ -377,6 +409,7 @@ def _nvml_record(nv, ordinal: int, handle, links: tuple[tuple[int, str], ...]) -
     return Device(id=f"cuda:{ordinal}", kind="cuda", index=ordinal,
                   name=_try(nv.nvmlDeviceGetName, handle) or "unknown NVIDIA GPU",
                   total_bytes=int(mem.total) if mem else 0, free_bytes=int(mem.free) if mem else 0,
+                  reclaimable_bytes=min(_own_bytes(nv, handle, own_pids), int(mem.total - mem.free)) if mem else 0,
                   capability=tuple(int(c) for c in capability) if capability else None,
                   pcie_gen=_try(nv.nvmlDeviceGetMaxPcieLinkGeneration, handle),
                   pcie_width=_try(nv.nvmlDeviceGetMaxPcieLinkWidth, handle), links=links, source="nvml")

@@ -17,14 +17,18 @@ The budget rule (what the partitioner reserves beside the weights):
   ``BaseModel.memory_required`` and ``VAE.memory_used_decode`` are restated below and checked against ComfyUI by
   tests/test_bench_scripts.py. The text encoder and VAE formulas are hand counts, not measured.
 * On FSDP ranks ComfyUI reserves nothing (the loader reports ``memory_required`` 0 and ComfyUI cannot see the
-  ranks), so the need is ours plus FSDP2's all-gather buffers and NCCL's (``fsdp_buffer_bytes``).
-* Everything adds ``CUDA_OVERHEAD_BYTES`` for the CUDA context and library handles.
+  ranks), so the need is ours plus FSDP2's all-gather buffers (``fsdp_buffer_bytes``).
+* What a process keeps on a GPU outside PyTorch's caching allocator (CUDA context, library workspaces, NCCL
+  communicators) stays for as long as the process lives: ``empty_cache`` gives none of it back. Where ComfyUI runs a
+  component, its working memory adds ``CUDA_OVERHEAD_BYTES``; an FSDP rank's is counted in every phase instead
+  (``rank_process_bytes``). The figures are the unmeasured guesses of ``GPU_PROCESS_GUESSES``.
 
 Sanity numbers (Wan2.1 T2V 14B, 1280x720x81 -> 75,600 tokens, bf16 activations, sdpa), per batch item: ComfyUI's
 network peaks at 9.1-9.5 U per token (U: one bf16 hidden-size vector; 6.6-6.9 GiB); the formula says 9.75 U
 (7.0 GiB), ours 8.4 GiB with the safety factor; ComfyUI reserves 14.0 GiB (memory_required 13.6 GiB). So one GPU
 keeps 15.0 GiB beside 26.6 GiB of bf16 weights; an FSDP rank 9.4 GiB plus 2.1 GiB of all-gather buffers (bf16;
-1.2 GiB for fp8) and NCCL's 128-256 MiB. Wan 2.1 VAE decode of that video: 11.4 GiB ours, 12.4 GiB ComfyUI's,
+1.2 GiB for fp8), and in every phase its CUDA context, libraries and NCCL communicators (1.5 GiB on 2
+ranks). Wan 2.1 VAE decode of that video: 11.4 GiB ours, 12.4 GiB ComfyUI's,
 so 13.4 GiB untiled; 4.9 GiB tiled.
 """
 
@@ -40,9 +44,26 @@ from mgpu.planning.sizing import ComponentSize, gguf_types
 MiB = 1024**2
 GiB = 1024**3
 
-# CUDA context (~0.3-0.5 GiB with cuBLAS/cuDNN handles) and kernel workspaces outside PyTorch's allocator.
-# Measured contexts vary by driver and GPU; 1 GiB is a round figure that covers them with some headroom.
-CUDA_OVERHEAD_BYTES = 1 * GiB
+# What a process keeps on each GPU it uses outside PyTorch's caching allocator, for as long as it lives (empty_cache,
+# the ranks' release_cached_memory, frees none of it). UNMEASURED guesses, all in this one table: bench/gpu_check.py
+# measures them on a GPU (process memory minus reserved, at init, after load, per phase) and its numbers replace these.
+GPU_PROCESS_GUESSES = {
+    # the driver's context with torch's kernels, loaded lazily (CUDA_MODULE_LOADING=LAZY, torch's default): 0.3-0.5 GiB
+    "cuda_context": 512 * MiB,
+    # cuBLAS/cuBLASLt and cuDNN handles and cuBLAS workspaces per stream (FSDP2 computes and gathers on several)
+    "libraries": 512 * MiB,
+    # each NCCL communicator: its fixed part, plus its buffers per ring neighbour (1 at 2 ranks, 2 from 3 on). A torch
+    # all-reduce on 4 x A100 NVLink took 544 MB per 2-rank group and 688 MB per larger one (NVIDIA/nccl#964); PCIe
+    # machines use fewer channels, so less
+    "nccl_communicator": 400 * MiB,
+    "nccl_ring_neighbour": 144 * MiB,
+    # each NCCL communicator on an NVSwitch machine with NVLink SHARP (Hopper and later), NVLS on by default: its
+    # multicast buffers (NVIDIA's containers turn NVLS off to save this memory)
+    "nccl_nvls": 1 * GiB,
+}
+CUDA_CONTEXT_BYTES = GPU_PROCESS_GUESSES["cuda_context"]
+# Where ComfyUI runs a component its working memory adds its process's context and libraries on that GPU.
+CUDA_OVERHEAD_BYTES = CUDA_CONTEXT_BYTES + GPU_PROCESS_GUESSES["libraries"]
 
 # ours = ACTIVATION_SAFETY x the calibrated activations: the CPU count misses GPU kernel workspaces and the caching
 # allocator's fragmentation (how far max_memory_reserved exceeds max_memory_allocated; bench/gpu_check.py reports both).
@@ -62,12 +83,6 @@ ATTENTION_BACKENDS = ("sdpa", "flash", "math")
 # 400 MiB (600-700 MiB on Windows, or --reserve-vram), minimum_inference_memory() is 0.8 GiB more.
 COMFYUI_EXTRA_RESERVED_BYTES = 400 * MiB
 COMFYUI_MIN_INFERENCE_BYTES = int(0.8 * GiB) + COMFYUI_EXTRA_RESERVED_BYTES
-
-# NCCL's per-communicator buffers: NCCL_BUFFSIZE (default 4 MiB) per channel per ring neighbour. 32 channels is
-# NCCL's ceiling per communicator (NVLink machines use 16-32, PCIe ones 2-8), so 4 MiB x 32 x 2 neighbours = 256 MiB
-# per rank bounds the Simple, LL and LL128 protocol buffers of the one communicator FSDP uses.
-NCCL_BUFFSIZE = 4 * MiB
-NCCL_CHANNELS = 32
 
 # Weight dtypes a user may ask for -> bytes per element.
 WEIGHT_ITEMSIZE = {
@@ -195,7 +210,8 @@ def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = 
     """Working memory of the DiT over ``batch`` (default: the workload's CFG batch), by the budget rule.
 
     ``comfyui``: ComfyUI runs it (single device), so its reservation for that batch must fit too (families ComfyUI's
-    rule is known for); False on FSDP ranks, whose buffers ``fsdp_buffer_bytes`` adds. ``sp``: the sequence-parallel
+    rule is known for), and its process's ``CUDA_OVERHEAD_BYTES``; False on FSDP ranks, whose buffers
+    ``fsdp_buffer_bytes`` adds and whose process memory ``rank_process_bytes`` counts in every phase. ``sp``: the sequence-parallel
     degree; each rank holds 1/sp of the tokens (in attention all tokens of 1/sp of the heads: the same bytes).
     Not for LTX-2 (``SP_KEEPS_ACTIVATIONS``): its ranks keep the audio stream and much of the video's per-token
     state whole, so its activations are counted as on one rank.
@@ -206,7 +222,7 @@ def dit_working_bytes(size: ComponentSize, wl: Workload, *, batch: int | None = 
                                                               attention=attention))
     if comfyui and comfyui_memory_usage_factor(size) is not None:
         ours = max(ours, comfyui_reservation_bytes(comfyui_memory_required(size, wl, b, act_bytes)))
-    return ours + CUDA_OVERHEAD_BYTES
+    return ours + (CUDA_OVERHEAD_BYTES if comfyui else 0)
 
 
 def text_encoder_activation_bytes(size: ComponentSize, tokens: int = 512, batch: int = 2, act_bytes: int = 2) -> int:
@@ -381,24 +397,43 @@ def weight_itemsize(size: ComponentSize, dtype: str | None) -> int:
     return WEIGHT_ITEMSIZE.get(dtype, 2)
 
 
-def nccl_buffer_bytes(ranks: int) -> int:
-    """NCCL's buffers on each rank of one communicator: NCCL_BUFFSIZE x NCCL_CHANNELS x ring neighbours (one
-    for 2 ranks, two from 3 on, none alone)."""
-    return NCCL_BUFFSIZE * NCCL_CHANNELS * min(max(ranks - 1, 0), 2)
+def nccl_communicators(ranks: int, heads: int | None, sp_degree: int) -> list[int]:
+    """The sizes of the NCCL communicators each of ``ranks`` ranks joins: WORLD (FSDP's all-gathers), plus one group
+    per sequence degree d > 1 the load sets up (d divides the ranks and the heads, up to ``sp_degree``; each rank is
+    in one group of each size). The gloo control group holds no GPU memory; a lone rank talks to nobody."""
+    if ranks < 2:
+        return []
+    return [ranks] + [d for d in range(2, min(sp_degree, ranks) + 1) if ranks % d == 0 and heads and heads % d == 0]
 
 
-def fsdp_buffer_bytes(size: ComponentSize, ranks: int, *, gather_itemsize: int, compute_itemsize: int = 2,
+def nccl_communicator_bytes(ranks: int, nvls: bool = False) -> int:
+    """One NCCL communicator of ``ranks`` ranks on each of them: its fixed part and its buffers per ring neighbour
+    (one for 2 ranks, two from 3 on), plus NVLS buffers on an NVSwitch machine (``GPU_PROCESS_GUESSES``)."""
+    g = GPU_PROCESS_GUESSES
+    return (g["nccl_communicator"] + g["nccl_ring_neighbour"] * min(ranks - 1, 2)
+            + (g["nccl_nvls"] if nvls else 0))
+
+
+def rank_process_bytes(ranks: int, heads: int | None, sp_degree: int, *, nvls: bool = False) -> int:
+    """What each FSDP rank process keeps on its GPU from its start on, in every phase (encode, sample, decode) and
+    between prompts: its CUDA context and libraries, and its NCCL communicators (``nccl_communicators``). The ranks'
+    ``release_cached_memory`` empties only PyTorch's caching allocator."""
+    comms = nccl_communicators(ranks, heads, sp_degree)
+    return CUDA_OVERHEAD_BYTES + sum(nccl_communicator_bytes(n, nvls) for n in comms)
+
+
+def fsdp_buffer_bytes(size: ComponentSize, *, gather_itemsize: int, compute_itemsize: int = 2,
                       gathered_blocks: int = 2) -> int:
-    """What FSDP2 and NCCL hold on each rank beside its shard and the activations.
+    """What FSDP2 holds on each rank beside its shard and the activations while it samples.
 
     All-gather, prefetch 1: ``gathered_blocks`` blocks gathered (the one computing and the one prefetched), plus the
     prefetched block's all-gather output buffer, alive until it is copied out into the block's parameters:
     (gathered_blocks + 1) x the largest block, at ``gather_itemsize`` bytes per parameter (the storage dtype on GPUs:
     fp8 weights travel as fp8). When the weights are narrower than the compute dtype, ComfyUI's ops cast one layer at
-    a time: the largest, hidden x ffn, in ``compute_itemsize``. Plus ``nccl_buffer_bytes``.
+    a time: the largest, hidden x ffn, in ``compute_itemsize``. NCCL's communicators: ``rank_process_bytes``.
     """
     per_param = size.total_bytes / size.params if size.params else 2
     largest = max((max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block), default=0)
     block = math.ceil(largest / per_param * gather_itemsize)
     cast = size.dims["hidden"] * size.dims["ffn"] * compute_itemsize if gather_itemsize < compute_itemsize else 0
-    return (gathered_blocks + 1) * block + cast + nccl_buffer_bytes(ranks)
+    return (gathered_blocks + 1) * block + cast

@@ -18,6 +18,7 @@ overlap is assumed, so the estimate errs towards warning.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from mgpu.planning.devices import Device
@@ -102,6 +103,16 @@ def group_link(group: list[Device]) -> str | None:
     if not kinds or None in kinds:
         return None
     return min(kinds, key=order.index)
+
+
+def nvls_likely(group: list[Device]) -> bool:
+    """Whether NCCL sets up NVLS (NVLink SHARP) buffers for the group's communicators: Hopper or later GPUs behind an
+    NVSwitch, which NVML shows as each one NVLinked to every other and to more than one peer (a bridge joins pairs
+    only). NVLS is on by default there; the ranks inherit a user's ``NCCL_NVLS_ENABLE=0``."""
+    if len(group) < 2 or os.environ.get("NCCL_NVLS_ENABLE", "").strip() == "0":
+        return False
+    switched = all(sum(kind == "nvlink" for _, kind in d.links) >= 2 for d in group)
+    return switched and group_link(group) == "nvlink" and all(tuple(d.capability or (0, 0)) >= (9, 0) for d in group)
 
 
 def gpu_flops(device: Device) -> float:

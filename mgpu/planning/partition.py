@@ -12,13 +12,17 @@ Memory model (every number is an estimate from `mgpu.planning.estimates`, and th
   every phase. FSDP shards evenly: the smallest member of the rank group bounds every rank. Its working memory
   counts in the sample phase only: when sampling ends the ranks give back what their caching allocators kept
   (``loaders.diffusion.ShardedModelPatcher.cleanup``), so the VAE decode and the next prompt's text encoder can use
-  it (``PHASE_OF``).
+  it (``PHASE_OF``). What the rank processes keep outside that allocator (CUDA context, libraries, one NCCL
+  communicator per process group: ``estimates.rank_process_bytes``) counts in every phase (``process_bytes``).
 * The VAE decodes on one GPU when the whole decode fits beside what that GPU holds at decode time (a short video);
   else its tiles are split over every GPU with room for a VAE copy and one tile (MGPU VAE Decode,
   ``estimates.vae_parallel_decode_bytes``: the same per GPU whatever the video's length); else tiled on one GPU;
   else on the host.
-* A device's budget is its free memory minus ``Policy.reserve_bytes`` (other processes, allocator growth); the
-  host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a budget.
+* A device's budget is its free memory, plus what this pack's ranks and ComfyUI's cached models hold there
+  (``Device.reclaimable_bytes``: the planned models replace them), minus ``Policy.reserve_bytes`` (other processes,
+  allocator growth) and, on the GPUs of ``Policy.host_context_gpus``, the ComfyUI process's own CUDA context, which
+  it keeps in every phase; the host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a
+  budget.
 * Working memory follows the budget rule of ``mgpu.planning.estimates``: where ComfyUI runs a component (single-device DiT,
   text encoder, untiled VAE decode) the larger of our calibrated estimate and ComfyUI's own reservation, since
   ComfyUI otherwise loads the weights only partly; on FSDP ranks our estimate plus FSDP2's all-gather buffers and
@@ -34,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from mgpu.planning.devices import Device, format_bytes
 from mgpu.errors import PlanError
 from mgpu.planning.estimates import (
+    CUDA_CONTEXT_BYTES,
     CUDA_OVERHEAD_BYTES,
     GiB,
     Workload,
@@ -41,6 +46,8 @@ from mgpu.planning.estimates import (
     dit_working_bytes,
     fsdp_buffer_bytes,
     gathered_size,
+    nccl_communicators,
+    rank_process_bytes,
     text_encoder_working_bytes,
     vae_decode_bytes,
     vae_parallel_decode_bytes,
@@ -86,6 +93,10 @@ class Policy:
     sequence_parallel: bool = True   # split each video's tokens over the ranks where the family has an adapter
     # Gathered blocks an FSDP rank holds at once: the one computing plus the one prefetched.
     gathered_blocks: int = 2
+    # GPUs on which the ComfyUI process itself keeps a CUDA context for as long as it runs (its main GPU; every GPU
+    # under ComfyUI 0.33's dynamic VRAM): less budget there in every phase. The loaders say which (mgpu/ stays
+    # ComfyUI-free); a components ComfyUI runs there then adds only its libraries to its working memory.
+    host_context_gpus: tuple[str, ...] = ()
 
 
 @dataclass
@@ -114,6 +125,9 @@ class Placement:
     # one expert's shards before the other loads); None for a single DiT and every other component.
     experts: str | None = None
     switch_s: float | None = None  # ONE_AT_A_TIME: estimated seconds to load this expert at a switch
+    # FSDP only: what each rank process keeps on its GPU in every phase outside PyTorch's allocator (CUDA context,
+    # libraries, NCCL communicators); on the first expert of two, which share the ranks
+    process_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -193,10 +207,7 @@ class _Ledger:
     """Per device and phase, the bytes committed so far; the partitioner only adds what fits."""
 
     def __init__(self, devices: list[Device], policy: Policy):
-        self.budget: dict[str, int] = {}
-        for d in devices:
-            reserve = policy.host_reserve_bytes if d.kind == "cpu" else policy.reserve_bytes
-            self.budget[d.id] = max(0, d.free_bytes - reserve)
+        self.budget = {d.id: _budget(d, policy) for d in devices}
         self.used = {d.id: dict.fromkeys(PHASES, 0) for d in devices}
         self.holds: dict[str, list[str]] = {d.id: [] for d in devices}
 
@@ -211,6 +222,24 @@ class _Ledger:
 
     def free(self, dev: str) -> int:
         return self.budget[dev] - max(self.used[dev].values())
+
+
+def host_context_bytes(device: Device, policy: Policy) -> int:
+    """What the ComfyUI process itself keeps on ``device`` in every phase: its CUDA context on the GPUs the loaders
+    name (``Policy.host_context_gpus``), else nothing."""
+    return CUDA_CONTEXT_BYTES if device.kind == "cuda" and device.id in policy.host_context_gpus else 0
+
+
+def _budget(device: Device, policy: Policy) -> int:
+    """Free memory plus what is ours to reuse there, less the reserve and the host's own CUDA context."""
+    reserve = policy.host_reserve_bytes if device.kind == "cpu" else policy.reserve_bytes
+    return max(0, device.available_bytes - reserve - host_context_bytes(device, policy))
+
+
+def _host_run(working: int, dev: str, policy: Policy) -> int:
+    """``working`` (with ``CUDA_OVERHEAD_BYTES``) of a component ComfyUI runs on ``dev``, less the host's context
+    where the budget counts it already in every phase."""
+    return working - (CUDA_CONTEXT_BYTES if dev in policy.host_context_gpus else 0)
 
 
 def phases_resident(role: str, strategy: str, policy: Policy) -> tuple[str, ...]:
@@ -260,17 +289,36 @@ def _fsdp_need(comp: Component, wbytes: int, wl: Workload, degrees: parallel.Deg
     Resident: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root
     FSDP unit keeps gathered for the whole forward. Working: the activations of this rank's rows (CFG/batch split)
     and tokens (sequence split), with no ComfyUI reservation (ComfyUI cannot see the ranks), plus FSDP2's
-    all-gather buffers in the storage dtype (NCCL gathers fp8 as fp8) and NCCL's buffers.
+    all-gather buffers in the storage dtype (NCCL gathers fp8 as fp8). The rank process's own memory:
+    ``_process_need``.
     """
     size, ranks = comp.size, degrees.ranks
     batch = math.ceil(wl.dit_batch / degrees.cfg)
     scale = wbytes / size.total_bytes if size.total_bytes else 1.0
     outside = int(size.bytes_outside_blocks * scale)
     resident = math.ceil(wbytes / ranks) + outside
-    buffers = fsdp_buffer_bytes(size, ranks, gather_itemsize=weight_itemsize(size, comp.weight_dtype),
+    buffers = fsdp_buffer_bytes(size, gather_itemsize=weight_itemsize(size, comp.weight_dtype),
                                 gathered_blocks=policy.gathered_blocks)
     working = dit_working_bytes(size, wl, batch=batch, comfyui=False, sp=degrees.sp) + buffers
     return resident, working, batch
+
+
+def _process_need(comp: Component, group: list[Device], sp_degree: int) -> int:
+    """What each rank process of ``group`` keeps on its GPU in every phase (``estimates.rank_process_bytes``):
+    CUDA context and libraries, and the NCCL communicators of the sequence degrees up to ``sp_degree`` the load
+    sets up, with NVLS buffers on an NVSwitch machine. cpu ranks (gloo) keep none of it."""
+    if not group or group[0].kind != "cuda":
+        return 0
+    return rank_process_bytes(len(group), comp.size.dims.get("heads"), sp_degree, nvls=parallel.nvls_likely(group))
+
+
+def _process_reason(comp: Component, group: list[Device], sp_degree: int, per_rank: int) -> str:
+    comms = nccl_communicators(len(group), comp.size.dims.get("heads"), sp_degree)
+    nvls = " with NVLS buffers (NVSwitch)" if parallel.nvls_likely(group) else ""
+    return (f"each rank process keeps {format_bytes(per_rank)} on its GPU in every phase, outside what it releases "
+            f"after sampling: its CUDA context and libraries ({format_bytes(CUDA_OVERHEAD_BYTES)}) and "
+            f"{len(comms)} NCCL communicator(s){nvls} (groups of {', '.join(map(str, comms)) or 'none'} ranks); "
+            "unmeasured guesses (estimates.GPU_PROCESS_GUESSES)")
 
 
 def _rank_budgets(per_rank: int, ranks: list[Device], policy: Policy) -> dict[str, tuple[int, int]]:
@@ -278,9 +326,8 @@ def _rank_budgets(per_rank: int, ranks: list[Device], policy: Policy) -> dict[st
     the whole group's need is held against that one budget."""
     budgets: dict[str, tuple[int, int]] = {}
     for d in ranks:
-        reserve = policy.host_reserve_bytes if d.kind == "cpu" else policy.reserve_bytes
         need, _ = budgets.get(d.id, (0, 0))
-        budgets[d.id] = (need + per_rank, max(0, d.free_bytes - reserve))
+        budgets[d.id] = (need + per_rank, _budget(d, policy))
     return budgets
 
 
@@ -296,11 +343,14 @@ def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Po
     a plan makes, for a loader set to fsdp with no MGPU Plan connected. Resharding after every step all-gathers the
     whole model each step (on CPU ranks a Wan 1.3B step went from ~1 s to ~50 s), so it is kept whenever it fits.
 
-    ``ranks``: one Device per rank, as the inventory reports them now; cpu ranks share the host's RAM, so there the
-    whole group's need is held against that one budget."""
+    ``ranks``: one Device per rank, as the inventory reports them now, what this pack holds there counted as
+    available (``Device.reclaimable_bytes``); each rank's process memory is counted as a plan counts it, for the
+    sequence degrees the load sets up without a plan (up to the number of ranks). cpu ranks share the host's RAM,
+    so there the whole group's need is held against that one budget."""
     policy = policy or Policy()
     resident, working, kept = _rank_need(comp, len(ranks), wl, policy)
-    budgets = _rank_budgets(resident + kept + working, ranks, policy)
+    process = _process_need(comp, ranks, len(ranks) if policy.sequence_parallel else 1)
+    budgets = _rank_budgets(resident + kept + working + process, ranks, policy)
     short = [f"{dev} needs {format_bytes(need)}, has {format_bytes(budget)}"
              for dev, (need, budget) in budgets.items() if need > budget]
     if short:
@@ -316,9 +366,9 @@ def fits_beside(comp: Component, ranks: list[Device], wl: Workload, *, keep: boo
     """Whether a DiT sharded over ``ranks`` fits beside the models already loaded there, and why: the call a loader
     with no MGPU Plan makes when its ranks hold another model (Wan 2.2's other expert). If not, the two take turns.
 
-    ``ranks``: one Device per rank with the free memory the ranks report now, so the shards already loaded are
-    taken; ``held``: per rank bytes those models take later when they run (their kept gathered weights); ``keep``:
-    this model keeps its own gathered weights."""
+    ``ranks``: one Device per rank with the free memory the ranks report now, so the shards already loaded, and
+    the rank processes' own memory (``_process_need``), are taken; ``held``: per rank bytes those models take later
+    when they run (their kept gathered weights); ``keep``: this model keeps its own gathered weights."""
     policy = policy or Policy()
     resident, working, kept = _rank_need(comp, len(ranks), wl, policy)
     per_rank = resident + working + (kept if keep else 0) + held
@@ -338,21 +388,23 @@ def _switch_s(size: ComponentSize) -> float:
 
 
 def _expert_reasons(experts: list[Component], mode: str, group: list[Device], shards: list[int], working: int,
-                    kept: int, budget: int, host: Device | None, ledger: _Ledger) -> list[str]:
+                    kept: int, process: int, budget: int, host: Device | None, ledger: _Ledger) -> list[str]:
     """The two-expert decision of an FSDP group with its numbers: both resident, or one at a time and its cost.
-    ``kept``: per rank bytes of the gathered weights the plan keeps between steps (0 when it reshards)."""
-    n, both = len(group), sum(shards) + working + kept
+    ``kept``: per rank bytes of the gathered weights the plan keeps between steps (0 when it reshards); ``process``:
+    the rank process's own memory, shared by the experts."""
+    n, both = len(group), sum(shards) + working + kept + process
     split = " + ".join(format_bytes(b) for b in shards) + (f" + {format_bytes(kept)} kept gathered" if kept else "")
+    split += " of shards" + (f" + {format_bytes(process)} rank process" if process else "")
     if mode == BOTH_RESIDENT:
         return [f"two experts (high noise, then low noise from the switch step) on the same {n} ranks, both "
-                f"resident: {split} of shards + {format_bytes(working)} working for one expert at a time = "
+                f"resident: {split} + {format_bytes(working)} working for one expert at a time = "
                 f"{format_bytes(both)} per rank of {format_bytes(budget)}; switching experts reloads nothing"]
     files = [c.size.total_bytes for c in experts]
     switch = [_switch_s(c.size) for c in experts]
-    reasons = [f"both experts resident would need {format_bytes(both)} per rank ({split} of shards + "
+    reasons = [f"both experts resident would need {format_bytes(both)} per rank ({split} + "
                f"{format_bytes(working)} working), over the {format_bytes(budget)} budget: one expert at a time "
-               f"({format_bytes(max(shards) + working + kept)} per rank). The MGPU loaders free one expert's shards "
-               "before the other loads, so both are never resident together",
+               f"({format_bytes(max(shards) + working + kept + process)} per rank). The MGPU loaders free one "
+               "expert's shards before the other loads, so both are never resident together",
                f"each switch reads 1/{n} of the next expert's file on every rank ("
                + ", ".join(f"{format_bytes(math.ceil(f / n))} per rank, {format_bytes(f)} from the disk in all"
                            for f in dict.fromkeys(files))
@@ -416,19 +468,22 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         working, batch = max(n[1] for n in needs), needs[0][2]
         work = {d.id: working for d in group}
         budget = min(ledger.free(d.id) for d in group)
+        process = _process_need(comp, group, degrees.sp)   # once: the experts share the rank processes
 
         def per_expert(keep: bool) -> list[int]:
             return [n[0] + (k if keep else 0) for n, k in zip(needs, kept)]
 
         # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
         # the full weights on every rank (of each resident expert), so it is chosen only when that fits too.
-        reshard = not ledger.fits(_need("dit", "fsdp", policy, {d.id: held(per_expert(True)) for d in group}, work))
+        reshard = not ledger.fits(_need("dit", "fsdp", policy, {d.id: held(per_expert(True)) + process
+                                                                 for d in group}, work))
         resident = held(per_expert(not reshard))
-        need = _need("dit", "fsdp", policy, {d.id: resident for d in group}, work)
+        need = _need("dit", "fsdp", policy, {d.id: resident + process for d in group}, work)
         if not ledger.fits(need):
             shard = ("shard" if mode is None else "of shards")
-            attempts.append(f"{noun} sharded over {len(group)} GPUs needs {format_bytes(resident + working)} per rank "
-                            f"({format_bytes(resident)} {shard} + {format_bytes(working)} working, batch {batch} "
+            attempts.append(f"{noun} sharded over {len(group)} GPUs needs "
+                            f"{format_bytes(resident + process + working)} per rank ({format_bytes(resident)} {shard} "
+                            f"+ {format_bytes(process)} rank process + {format_bytes(working)} working, batch {batch} "
                             "per rank" + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
                             + f"); smallest budget is {format_bytes(budget)}")
             return None
@@ -443,21 +498,24 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         whose = "each expert's" if mode else "the"
         reasons = [why, f"each rank holds 1/{n} of {whose} weights "
                         f"({format_bytes(math.ceil(wbytes[0] / n))}) "
-                        f"plus {policy.gathered_blocks} gathered blocks, an all-gather buffer and NCCL's buffers "
-                        "while computing",
+                        f"plus {policy.gathered_blocks} gathered blocks and an all-gather buffer while computing",
+                   _process_reason(comp, group, degrees.sp, process),
                    f"split of each step: {degrees.cfg} (CFG/batch) x {degrees.sp} (sequence) over {n} ranks",
                    *degrees.reasons, *(f"warning: {w}" for w in degrees.warnings)]
-        if len({d.free_bytes for d in group}) > 1:
+        if len({d.available_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
         if not reshard:
             reasons.append("memory allows keeping the gathered weights between steps: no all-gather after the "
                            "first step")
         if mode is not None:
             kept_now = 0 if reshard else held(kept)
-            reasons += _expert_reasons(experts, mode, group, per_expert(False), working, kept_now, budget, host, ledger)
-        return placements("fsdp", [d.id for d in group], [{d.id: r for d in group} for r in per_expert(not reshard)],
-                          [{d.id: nd[1] for d in group} for nd in needs], reasons, batch_per_rank=batch,
-                          cfg_degree=degrees.cfg, sp_degree=degrees.sp, reshard_after_forward=reshard)
+            reasons += _expert_reasons(experts, mode, group, per_expert(False), working, kept_now, process, budget,
+                                       host, ledger)
+        placed = placements("fsdp", [d.id for d in group], [{d.id: r for d in group} for r in per_expert(not reshard)],
+                            [{d.id: nd[1] for d in group} for nd in needs], reasons, batch_per_rank=batch,
+                            cfg_degree=degrees.cfg, sp_degree=degrees.sp, reshard_after_forward=reshard)
+        placed[0].process_bytes = {d.id: process for d in group}
+        return placed
 
     if not on_gpus:
         return _dit_on_host(experts, mode, gpus, host, by_budget, wbytes, wl, policy, ledger, attempts, placements)
@@ -467,8 +525,8 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         if placed:
             return placed
 
-    working1 = max(dit_working_bytes(c.size, wl, batch=1) for c in experts)
     for d in by_budget:
+        working1 = _host_run(max(dit_working_bytes(c.size, wl, batch=1) for c in experts), d.id, policy)
         # one at a time on one GPU: ComfyUI's model management moves the idle expert to host RAM and back
         resident = {d.id: held(wbytes), **({host.id: max(wbytes)} if mode == ONE_AT_A_TIME and host else {})}
         need = _need("dit", "single", policy, resident, {d.id: working1})
@@ -491,6 +549,7 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
                               [{d.id: working1} for _ in experts], reasons)
     if by_budget:
         best = by_budget[0]
+        working1 = _host_run(max(dit_working_bytes(c.size, wl, batch=1) for c in experts), best.id, policy)
         attempts.append(f"{noun} on one GPU needs {format_bytes(held(wbytes) + working1)} "
                         f"({format_bytes(held(wbytes))} weights + {format_bytes(working1)} working); largest budget "
                         f"is {format_bytes(ledger.free(best.id))} on {best.id}")
@@ -514,6 +573,7 @@ def _dit_on_host(experts: list[Component], mode: str | None, gpus: list[Device],
     noun = "DiT" if mode is None else "both DiT experts"
     if host is not None and policy.allow_offload and by_budget:
         compute = by_budget[0]
+        working1 = _host_run(working1, compute.id, policy)
         stream = policy.gathered_blocks * _largest_block(size, wbytes[0])
         need = _need("dit", "offload", policy, {host.id: sum(wbytes)}, {compute.id: working1 + stream})
         if ledger.fits(need):
@@ -543,6 +603,7 @@ def _single(comp: Component, d: Device, working: int, tiled: bool, policy: Polic
     size = comp.size
     wbytes = weight_bytes(size, comp.weight_dtype)
     strategy = "cpu" if d.kind == "cpu" else "single"
+    working = _host_run(working, d.id, policy)
     need = _need(comp.role, strategy, policy, {d.id: wbytes}, {d.id: working})
     if not ledger.fits(need):
         return None
@@ -582,6 +643,7 @@ def _held_at_decode(dev: str, placements: list[Placement], policy: Policy) -> li
     weights = [p.resident_bytes.get(dev, 0) for p in dits if "decode" in phases_resident(p.role, p.strategy, policy)]
     held = max(weights, default=0) if dits and dits[0].experts == ONE_AT_A_TIME else sum(weights)
     parts = [f"DiT {'shard' if dits[0].strategy == 'fsdp' else 'weights'} {format_bytes(held)}"] if held else []
+    parts += [f"FSDP rank process {format_bytes(p.process_bytes[dev])}" for p in dits if p.process_bytes.get(dev)]
     parts += [f"text encoder {format_bytes(p.resident_bytes[dev])}" for p in placements
               if p.role == "text_encoder" and dev in p.resident_bytes
               and "decode" in phases_resident(p.role, p.strategy, policy)]
@@ -608,14 +670,15 @@ def _split_vae(comp: Component, by_room: list[Device], wl: Workload, policy: Pol
     each = vae_parallel_decode_bytes(size, wl, weight_dtype=comp.weight_dtype)
     what = (f"{format_bytes(each)} on each GPU ({format_bytes(wbytes)} VAE copy + "
             f"{format_bytes(each - wbytes - CUDA_OVERHEAD_BYTES)} one tile of 512 px x 64 frames + "
-            f"{format_bytes(CUDA_OVERHEAD_BYTES)} CUDA context)")
-    fit = [d for d in by_room if _decode_room(d.id, ledger) >= each]
+            f"{format_bytes(CUDA_OVERHEAD_BYTES)} CUDA context and libraries)")
+    working = {d.id: _host_run(each - wbytes, d.id, policy) for d in by_room}
+    fit = [d for d in by_room if _decode_room(d.id, ledger) >= wbytes + working[d.id]]
     if len(fit) < 2:
         tried.append(f"split over GPUs by MGPU VAE Decode needs {what} on at least 2 GPUs; "
                      + (f"only {fit[0].id} has that room" if fit else "no GPU has that room"))
         return None
     group = [fit[0], *sorted(fit[1:], key=lambda d: d.index)]
-    need = _need("vae", "split", policy, {d.id: wbytes for d in group}, {d.id: each - wbytes for d in group})
+    need = _need("vae", "split", policy, {d.id: wbytes for d in group}, {d.id: working[d.id] for d in group})
     if not ledger.fits(need):
         return None
     ledger.commit(need, "VAE (split decode)")
@@ -630,7 +693,7 @@ def _split_vae(comp: Component, by_room: list[Device], wl: Workload, policy: Pol
                                                  "at decode)" for d in left))
     return Placement(role="vae", file=size.path, family=size.family, strategy="split", devices=[d.id for d in group],
                      weight_dtype=_dtype_name(size, comp.weight_dtype), weight_bytes=wbytes,
-                     resident_bytes={d.id: wbytes for d in group}, working_bytes={d.id: each - wbytes for d in group},
+                     resident_bytes={d.id: wbytes for d in group}, working_bytes={d.id: working[d.id] for d in group},
                      tiled=True, reasons=reasons)
 
 
@@ -719,11 +782,12 @@ def _split_text_encoder(comp: Component, by_room: list[Device], wl: Workload, po
     working = text_encoder_working_bytes(size, tokens=policy.text_encoder_tokens, batch=2 if wl.cfg else 1)
     for k in range(2, len(by_room) + 1):
         group = sorted(by_room[:k], key=lambda d: d.index)
-        index = split_in_order(units, [max(0, _encoder_room(d.id, working, policy, ledger)) for d in group])
+        work = {d.id: _host_run(working, d.id, policy) for d in group}
+        index = split_in_order(units, [max(0, _encoder_room(d.id, work[d.id], policy, ledger)) for d in group])
         if index is None:
             continue
         resident = {d.id: sum(u for u, i in zip(units, index) if i == j) for j, d in enumerate(group)}
-        need = _need("text_encoder", "split", policy, resident, {d.id: working for d in group})
+        need = _need("text_encoder", "split", policy, resident, work)
         if not ledger.fits(need):
             continue
         ledger.commit(need, "text encoder (split)")
@@ -738,7 +802,7 @@ def _split_text_encoder(comp: Component, by_room: list[Device], wl: Workload, po
             reasons.append("freed before sampling on every GPU, so its memory is reused by the DiT")
         return Placement(role="text_encoder", file=size.path, family=size.family, strategy="split",
                          devices=[d.id for d in group], weight_dtype=_dtype_name(size, comp.weight_dtype),
-                         weight_bytes=wbytes, resident_bytes=resident, working_bytes={d.id: working for d in group},
+                         weight_bytes=wbytes, resident_bytes=resident, working_bytes=work,
                          reasons=reasons, layers_by_device=layers)
     rooms = ", ".join(f"{d.id} {format_bytes(max(0, _encoder_room(d.id, working, policy, ledger)))}" for d in by_room)
     attempts.append(f"text encoder split over up to {len(by_room)} GPUs needs {format_bytes(wbytes)} of weights in "
@@ -787,6 +851,22 @@ def _plan_error(role: str, components: list[Component], devices: list[Device], w
               f"{format_bytes(n['committed_bytes'])}" for n in needs]
     lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload, role)))
     return PlanError("\n".join(lines), needs=needs)
+
+
+def _machine_reasons(gpus: list[Device], policy: Policy) -> list[str]:
+    """What the budgets hold besides the plan's components: the ComfyUI process's own memory on each GPU (when the
+    loaders said where it keeps a context), and what is in use by us now but counted as available."""
+    reasons = []
+    if policy.host_context_gpus:
+        held = [f"{d.id}: {f'its CUDA context ({format_bytes(c)})' if (c := host_context_bytes(d, policy)) else 'nothing'}"
+                for d in gpus]
+        reasons.append("the ComfyUI process itself holds, in every phase, on " + "; ".join(held)
+                       + " (an unmeasured guess, taken out of those budgets)")
+    if ours := [d for d in gpus if d.reclaimable_bytes]:
+        reasons.append("counted as available: " + ", ".join(f"{d.id} {format_bytes(d.reclaimable_bytes)}" for d in ours)
+                       + " in use now by this pack's rank processes and by ComfyUI (its cached models, and its "
+                       "context where counted above), which the models this plan loads replace")
+    return reasons
 
 
 def make_plan(components: list[Component], devices: list[Device], workload: Workload,
@@ -840,8 +920,9 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
 
     usage = [DeviceUse(device=d.id, budget_bytes=ledger.budget[d.id], peak_bytes=max(ledger.used[d.id].values()),
                        by_phase=dict(ledger.used[d.id]), holds=list(ledger.holds[d.id])) for d in devices]
-    reasons = []
+    reasons = _machine_reasons(gpus, policy)
     if len(gpus) and all(not u.holds for u in usage if u.device != (host.id if host else None)):
         reasons.append("no component uses a GPU")
     return Plan(placements=placements, usage=usage, devices=[d.to_dict() for d in devices],
-                workload=asdict(workload), policy=asdict(policy), reasons=reasons)
+                workload=asdict(workload), reasons=reasons,
+                policy={**asdict(policy), "host_context_gpus": list(policy.host_context_gpus)})   # as JSON reads it
