@@ -66,6 +66,22 @@ def test_plain_types_dequantize_to_their_values():
         assert torch.equal(dequantize(stored, qtype), values.to(dtype).float()), qtype
 
 
+@pytest.mark.parametrize("qtype", list(QUANTIZED))
+def test_dequantization_makes_no_constant_tensor_per_call(qtype: str, monkeypatch):
+    """A tensor made from host values in the step (``torch.tensor([0, 2, 4, 6], device=...)``, which Q6_K did for
+    every chunk of every weight) is a host-to-device copy that waits for the GPU: after a device's first call,
+    dequantizing (as ``fsdp_post_all_gather`` does every forward) makes no tensor from host values at all."""
+    stored = torch.from_numpy(_blocks(qtype, 8, 512, np.random.default_rng(3)))
+    first = dequantize(stored, qtype)
+    made = []
+    for name in ("tensor", "as_tensor", "arange"):
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _f=original, _n=name, **k: made.append(_n) or _f(*a, **k))
+    again = dequantize(stored, qtype)
+    assert made == [], f"{qtype} dequantization made {made} per call"
+    assert torch.equal(again, first)
+
+
 # ------------------------------------------------------------------------------------------ header and sizing
 
 def test_header_matches_gguf_reader(tmp_path):

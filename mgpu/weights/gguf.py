@@ -19,6 +19,7 @@ as the reference.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -60,10 +61,17 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
 
 
+@functools.cache
+def _shifts(device: torch.device, count: int, step: int) -> torch.Tensor:
+    """The uint8 shift amounts ``0, step, ..., (count - 1) step`` on ``device``, made once per device: a tensor built
+    from host values in every dequantization would be a host-to-device copy, which waits for the GPU, per chunk of
+    every weight, every step (constants are cached, never re-created in the step)."""
+    return torch.arange(0, count * step, step, dtype=torch.uint8, device=device)
+
+
 def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     """Bytes (n, b) -> bit ``i`` of byte ``j`` at [n, i, j] for i < count (the 5th/6th bits of K-quants)."""
-    shifts = torch.arange(count, dtype=torch.uint8, device=qh.device).view(1, count, 1)
-    return (qh.unsqueeze(1) >> shifts) & 1
+    return (qh.unsqueeze(1) >> _shifts(qh.device, count, 1).view(1, count, 1)) & 1
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -123,8 +131,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = len(b)
     low = _nibbles(b[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
-    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+    high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(b.device, 4, 2).view(1, 1, 4, 1)) & 3).reshape(n, 8, 32)
     q = ((low | (high << 4)).float() - 32).reshape(n, 16, 16)
     d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
     return (d * q).reshape(n, 256)
