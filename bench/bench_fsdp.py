@@ -1,6 +1,7 @@
 """Benchmark of the FSDP engine, printed as ratios from one run on one machine (issue: rank pool and FSDP2 DiT).
 
     python bench/bench_fsdp.py [--dim 1024 --layers 8 --ranks 2 --steps 5]
+    python bench/bench_fsdp.py --quick      # tiny model, 2 steps: that it runs (the test suite), no numbers to keep
 
 Prints: single-device vs sharded step time; CFG batch split vs unsplit sharded; bytes all-gathered per step vs
 model bytes; per-rank parameter RSS vs checkpoint size; load time of per-rank slices vs rank-0 load + broadcast;
@@ -64,7 +65,10 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="dim 64, 2 blocks, 2 steps: a smoke run, not a measurement")
     args = ap.parse_args()
+    if args.quick:
+        args.dim, args.layers, args.ffn, args.steps = 128, 2, 256, 2
     cfg = DemoConfig(dim=args.dim, layers=args.layers, heads=args.dim // 128, ffn=args.ffn, text_dim=1024,
                      frames=2, height=16, width=16, text_tokens=64)
     n = args.ranks
@@ -74,8 +78,8 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}; {n} cpu ranks x {threads} threads (gloo)")
 
     with tempfile.TemporaryDirectory(prefix="mgpu-bench-") as tmp:
-        path = os.path.join(tmp, "wan_bench.safetensors")
-        ckpt = make_checkpoint(cfg, path)
+        checkpoint = make_checkpoint(cfg, tmp)
+        path, ckpt = checkpoint.path, checkpoint.nbytes
         print(f"model: Wan DiT dim {cfg.dim}, {cfg.layers} blocks, checkpoint {format_bytes(ckpt)} fp32")
         inputs = step_inputs(cfg)
 

@@ -1,5 +1,6 @@
-"""bench/gpu_check.py runs unattended and stops by itself; bench/calibrate_memory.py's ComfyUI figures are the ones
-mgpu.planning.estimates restates (and calibrates against), on whichever ComfyUI COMFYUI_PATH names."""
+"""bench/gpu_check.py runs unattended and stops by itself (its dry run's sections: tests/test_gpu_check.py);
+bench/calibrate_memory.py's ComfyUI figures are the ones mgpu.planning.estimates restates (and calibrates against), on
+whichever ComfyUI COMFYUI_PATH names."""
 
 from __future__ import annotations
 
@@ -33,25 +34,24 @@ def run_script(*args: str, timeout: float) -> tuple[int, dict, str]:
     return proc.returncode, report, proc.stderr
 
 
-@pytest.mark.timeout(600)
-def test_gpu_check_dry_run_runs_every_section_on_cpu():
-    rc, report, err = run_script(str(BENCH / "gpu_check.py"), "--dry-run", "--deadline", "400", timeout=500)
-    sections = report["sections"]
-    assert rc == 0, err[-3000:]
-    assert list(sections) == ["environment", "inventory", "fsdp", "calibration", "fp8", "load_throughput"]
-    assert all(s["ok"] for s in sections.values()), {k: s.get("error") for k, s in sections.items()}
-    assert report["watchdog"]["killed"] is False
-    fsdp = sections["fsdp"]
-    assert fsdp["matches"] and fsdp["output_shape"][0] == 2   # a CFG batch through a gloo cpu rank, as run directly
-    assert fsdp["load_report"]["bytes_read"] == fsdp["checkpoint_bytes"]   # one rank reads every slice
-    calibration = sections["calibration"]
-    assert [p["tokens"] for p in calibration["points"]] == [32, 64, 128]
-    assert all(p["measured_bytes"] > 0 and p["ours_bytes"] > 0 for p in calibration["points"])
-    fp8 = sections["fp8"]
-    assert fp8["weight_bytes_fp8"] * 2 == fp8["weight_bytes_bf16"]
-    assert fp8["upcast_rel_error"] < 0.1 and fp8["scaled_mm_rel_error"] < 0.1
-    load = sections["load_throughput"]
-    assert load["cold"]["bytes_read"] == load["warm"]["bytes_read"] == load["checkpoint_bytes"]
+def test_every_bench_script_is_run_by_a_test():
+    """A script under bench/ (one with a ``__main__`` block) that no test runs breaks unnoticed, as bench_fsdp.py did
+    when make_checkpoint changed: each must be named by a test that runs it."""
+    tests = "\n".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    scripts = [p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text()]
+    assert "bench_fsdp.py" in scripts
+    assert [s for s in scripts if f'"{s}"' not in tests and f"/ {s!r}" not in tests] == []
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_bench_runs_and_prints_its_ratios():
+    """bench/bench_fsdp.py --quick: the FSDP engine's ratios, on a tiny model (the numbers are not kept)."""
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_fsdp.py"), "--quick"], capture_output=True, text=True,
+                          timeout=280, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("ratio sharded/single", "CFG batch split", "all-gathered per step: ", "per-rank slices",
+                 "10 MB latent round trip"):
+        assert line in proc.stdout, proc.stdout
 
 
 @pytest.mark.timeout(300)
