@@ -177,6 +177,15 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
             n.rank_devices = self.rank_devices
         return n
 
+    def deepclone_multigpu(self, *args, **kwargs):
+        """ComfyUI 0.33's MultiGPU CFG Split asks every model for a full copy per extra GPU. A sharded model
+        already splits CFG (and the tokens) over its ranks, and its host copy holds no weights to copy: refuse
+        by name, with the way out, instead of ComfyUI's "use a core loader" or a copy that cannot compute."""
+        raise MgpuError(f"MultiGPU CFG Split cannot copy a model that {NODE} sharded over "
+                        f"{', '.join(self.rank_devices) or 'ranks'}: its ranks already split CFG's cond and uncond "
+                        "(and each video's tokens) over those GPUs. Remove MultiGPU CFG Split from the graph, or "
+                        "load the model on one device to use ComfyUI's own split instead")
+
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False) -> None:
         self._refuse_network_patches()
         self._want_weight_patches()

@@ -285,3 +285,25 @@ def check_vae_reads_only_its_tensors(folder: str, dit_gib: float) -> dict:
     _, metadata = components.vae_state_dict(str(combined))
     return {"rss_growth": growth, "dit_bytes": dit_elems * 2, "same": torch.equal(ours_frames, stock.decode(latent)),
             "metadata": metadata}
+
+
+def check_multigpu_cfg_split_is_refused(folder: str) -> dict:
+    """ComfyUI 0.33's MultiGPU CFG Split on a sharded MODEL, on a machine that (as faked here) has two GPUs: the
+    node asks the model for a full copy on the second. ComfyUI 0.3.x has no such node."""
+    try:
+        import comfy_extras.nodes_multigpu as multigpu
+    except ImportError:
+        return {"node": False}
+    import comfy.model_management as mm
+
+    from mgpu.errors import MgpuError
+
+    patcher = sharded_patcher(folder, ["cuda:0", "cuda:1"])
+    mm.get_all_torch_devices = lambda exclude_current=False: [torch.device("cuda:0"), torch.device("cuda:1")]
+    try:
+        multigpu.MultiGPUCFGSplitNode.execute(patcher, 2)
+        return {"node": True, "raised": None}
+    except MgpuError as exc:
+        return {"node": True, "raised": "MgpuError", "message": str(exc)}
+    except Exception as exc:   # noqa: BLE001 - reported for the assertion
+        return {"node": True, "raised": type(exc).__name__, "message": str(exc)}

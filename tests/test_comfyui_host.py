@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comfyui_env import run_checks
+from comfyui_env import find_comfyui, run_checks
 
 from loaders.transformer_options import HOST_ONLY, PER_CHUNK, REFUSED, WHOLE
 
@@ -63,3 +63,15 @@ def test_vae_from_an_all_in_one_file_reads_only_the_vae(tmp_path: Path) -> None:
     facts = in_comfyui("check_vae_reads_only_its_tensors", str(tmp_path), 4.0)
     assert facts["same"] and facts["metadata"] == {"mgpu_test": "kept"}
     assert facts["rss_growth"] < facts["dit_bytes"] / 4, facts
+
+
+def test_comfyuis_multigpu_cfg_split_refuses_a_sharded_model_with_the_way_out(tmp_path: Path) -> None:
+    """ComfyUI 0.33's MultiGPU CFG Split copies the whole model to each extra GPU; a sharded MODEL already splits
+    CFG over its ranks, and its host copy holds no weights: one clear refusal, not ComfyUI's "use a core loader"."""
+    facts = in_comfyui("check_multigpu_cfg_split_is_refused", str(tmp_path))
+    comfyui_033 = (find_comfyui() / "comfy_extras" / "nodes_multigpu.py").exists()
+    assert facts["node"] == comfyui_033
+    if not comfyui_033:
+        return
+    assert facts["raised"] == "MgpuError", facts
+    assert "Remove MultiGPU CFG Split" in facts["message"] and "cuda:0, cuda:1" in facts["message"]
