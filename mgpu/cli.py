@@ -127,3 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     except MgpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # Ctrl+C: the ranks and files are already cleaned up on the way out
+        print("interrupted", file=sys.stderr)
+        return 130

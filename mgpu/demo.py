@@ -23,8 +23,12 @@ weights, in the forward for quantized ones; the reference merges it in fp32.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 from mgpu.planning.devices import format_bytes, gpus, inventory
+from mgpu.ranks import shm
 from mgpu.errors import MgpuError
 
 if TYPE_CHECKING:
@@ -466,6 +471,23 @@ def _gathered_lines(gathered: int, measured: list[dict[str, int]], ckpt: Checkpo
     return lines
 
 
+@contextlib.contextmanager
+def _work_dir():
+    """The folder of the demo's checkpoint, removed however the demo ends. A private folder of the rank pool's kind
+    (``mgpu.ranks.shm.private_dir``), so a demo killed by SIGKILL leaves nothing that the next pool start (this
+    demo's or ComfyUI's) does not sweep; SIGTERM, which would end the process without any cleanup, ends it through
+    this ``finally`` and the pool's (ranks stopped, segments removed) with status 143."""
+    path = shm.private_dir(tempfile.gettempdir())
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum)) if main else None
+    try:
+        yield path
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        shm.remove_private_dir(path)
+
+
 def run(args: argparse.Namespace) -> int:
     from mgpu.ranks.pool import PoolConfig, RankPool
     from mgpu.sharding.sharded import ModelSpec, ShardedModule
@@ -482,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
     machine = inventory()
     devices = _rank_devices(machine, args.ranks)
     n = len(devices)
-    with tempfile.TemporaryDirectory(prefix="mgpu-demo-") as tmp:
+    with _work_dir() as tmp:
         ckpt = make_checkpoint(cfg, tmp)
         size = size_component(ckpt.path)
         print(f"model: diffusers WanTransformer3DModel, dim {cfg.dim}, {cfg.layers} blocks, {cfg.heads} heads, "

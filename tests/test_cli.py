@@ -175,3 +175,36 @@ def test_demo_refuses_gguf_blocks_that_do_not_divide_the_rows():
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--weights gguf-q4_k" in r.stderr and "--dim 64" in r.stderr and "256" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_demo_stopped_midway_exits_cleanly_and_leaves_nothing_behind(tmp_path, sig, status):
+    """SIGTERM (a service manager, `kill`) and Ctrl+C while the ranks sample: one line, no traceback, the ranks
+    gone, and neither the checkpoint's folder nor the pool's folders and shared memory left behind."""
+    import glob
+    import signal
+    import time
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "MGPU_DEVICES"}
+    env.update({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu", "demo", *TINY_DEMO[:-1], "400"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[psutil.Process] = []
+    deadline = time.monotonic() + 120
+    while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        ranks = [c for c in psutil.Process(proc.pid).children() if "mgpu.ranks.rank" in " ".join(c.cmdline())]
+        time.sleep(0.2)
+    assert len(ranks) == 2, proc.communicate(timeout=60)
+    time.sleep(2)   # the pool is up and loading or sampling
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == status, (out, err)
+    assert "Traceback" not in err, err
+    if sig == "SIGINT":
+        assert err.strip().endswith("interrupted")
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive
+    assert not list(tmp_path.glob("mgpu-*")), list(tmp_path.iterdir())
+    assert not glob.glob(f"/dev/shm/mgpu-{proc.pid}-*")
