@@ -809,3 +809,20 @@ def test_stale_directories_of_a_killed_host_are_swept(tmp_path, monkeypatch):
     monkeypatch.setattr(shm, "shm_parent", lambda: parents[0])
     monkeypatch.setattr(tempfile, "tempdir", parents[1])
     assert set(left) <= set(sweep_stale_dirs()) and dirs_in(parents) == []
+
+
+def test_a_failure_shows_the_ranks_last_meaningful_log_lines(tmp_path):
+    """A rank logs a line per call; after 50 calls its error must still be what the failure message shows, with a
+    few call lines for context, not a screen of 'call N: op' names."""
+    from mgpu.ranks.pool import _tail
+
+    log = tmp_path / "rank0.log"
+    calls = [f"12:00:{i % 60:02d} call {i}: model.forward" for i in range(1, 51)]
+    error = ["Traceback (most recent call last):", '  File "x.py", line 1, in forward',
+             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    log.write_text("\n".join(["warning: something the rank said once", *calls, *error]) + "\n")
+    tail = _tail(str(log)).splitlines()
+    assert tail[0] == "(47 earlier 'call N: op' lines left out)"
+    assert "warning: something the rank said once" in tail
+    assert [line for line in tail if line.endswith(": model.forward")] == calls[-3:]
+    assert tail[-3:] == error

@@ -51,6 +51,7 @@ import atexit
 import logging
 import mmap
 import os
+import re
 import secrets
 import signal
 import socket
@@ -299,13 +300,27 @@ def _read_from(path: str, offset: int) -> str:
         return ""
 
 
+# A rank logs one "HH:MM:SS call N: op" line per call (what a dead rank was doing); a tail keeps the last few.
+_CALL_LINE = re.compile(r"^\d\d:\d\d:\d\d call \d+: \S+$")
+CALL_LINES_KEPT = 3
+
+
 def _tail(path: str) -> str:
+    """The end of a rank's log for a failure message: its last LOG_TAIL_BYTES, with all but the last
+    CALL_LINES_KEPT per-call lines folded into one count, so the error, warnings and traceback are what shows."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
-            return f.read().decode("utf-8", "replace").strip()
+            f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES * 4))
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
     except OSError:
         return ""
+    calls = [i for i, line in enumerate(lines) if _CALL_LINE.match(line)]
+    folded = set(calls[:-CALL_LINES_KEPT])
+    kept = [line for i, line in enumerate(lines) if i not in folded]
+    if folded:
+        kept.insert(0, f"({len(folded)} earlier 'call N: op' lines left out)")
+    text = "\n".join(kept)
+    return text[-LOG_TAIL_BYTES:]
 
 
 class RankPool:
