@@ -685,3 +685,17 @@ def test_ltx2_fp8_for_speed_shards_over_both_and_splits_cfg_or_its_video_tokens(
     assert (distilled.placement("dit").cfg_degree, distilled.placement("dit").sp_degree) == (1, 2)
     assert any("Ulysses sequence parallel over 2 ranks" in r for r in distilled.placement("dit").reasons)
     assert_within_budgets(distilled)
+
+
+def test_a_host_short_of_ram_says_it_is_free_memory_now_and_what_others_hold(wan14b):
+    """No GPU, 24 GiB of RAM of which other processes hold all but 1 GiB: the refusal names the free memory now
+    and the others' share, not a "budget is 0 B" that reads as a limit of this machine."""
+    from mgpu.planning.devices import Device
+
+    host = Device(id="cpu", kind="cpu", index=None, name="host RAM", total_bytes=24 * GiB, free_bytes=1 * GiB,
+                  source="host")
+    with pytest.raises(PlanError) as info:
+        make_plan(components(wan14b), [host], SD_81, Policy())
+    msg = str(info.value)
+    assert "host RAM free now for this plan: " in msg and "of 24 GiB, 23 GiB of it held by other processes" in msg
+    assert "budget is 0 B" not in msg

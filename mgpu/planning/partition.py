@@ -583,7 +583,7 @@ def _dit_on_host(experts: list[Component], mode: str | None, gpus: list[Device],
                               [f"weights stay in host RAM and are streamed block by block to {compute.id}: works, "
                                f"but every step moves {format_bytes(wbytes[0])} over the bus"])
         attempts.append(f"offload needs {format_bytes(working1 + stream)} on {compute.id} and "
-                        f"{format_bytes(sum(wbytes))} of host RAM; host budget is {format_bytes(ledger.free(host.id))}")
+                        f"{format_bytes(sum(wbytes))} of host RAM; {_host_room(host, ledger)}")
 
     if not gpus and host is not None:
         working1 = max(dit_working_bytes(c.size, wl, batch=1, comfyui=False) for c in experts)   # no reservation
@@ -592,9 +592,18 @@ def _dit_on_host(experts: list[Component], mode: str | None, gpus: list[Device],
             ledger.commit(need, "DiT")
             return placements("cpu", [host.id], [{host.id: w} for w in wbytes], [{host.id: working1} for _ in experts],
                               ["no GPU: the DiT runs on the CPU (correct, very slow)"])
-        attempts.append(f"{noun} on the CPU needs {format_bytes(sum(wbytes) + working1)} of host RAM; budget is "
-                        f"{format_bytes(ledger.free(host.id))}")
+        attempts.append(f"{noun} on the CPU needs {format_bytes(sum(wbytes) + working1)} of host RAM; "
+                        f"{_host_room(host, ledger)}")
     return None
+
+
+def _host_room(host: Device, ledger: _Ledger) -> str:
+    """What host RAM this plan can still use, said as what it is: the memory free now (the OS's available figure,
+    less what this plan already put there), and what other processes hold of the total, which is where a
+    "0 B" on a machine with plenty of RAM comes from."""
+    others = host.total_bytes - host.available_bytes
+    held = f", {format_bytes(others)} of it held by other processes" if others > 0 else ""
+    return f"host RAM free now for this plan: {format_bytes(ledger.free(host.id))} of {format_bytes(host.total_bytes)}{held}"
 
 
 def _single(comp: Component, d: Device, working: int, tiled: bool, policy: Policy, ledger: _Ledger,
