@@ -92,7 +92,7 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
         if reshard is None:   # the room is weighed once the model this loader replaces has left the GPUs
             pools.release_garbage()
             pools.vacate(slot)
-            reshard = not keeps_gathered(path, dtype, devices)
+            reshard = not keeps_gathered(path, dtype, devices, planned=plan is not None)
         sp = 1 if sequence_parallel == "off" else choice.sp_degree or len(devices)
         patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot, sp_degree=sp, plan=plan)
     else:
@@ -102,9 +102,10 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     return patcher
 
 
-def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
-    """No MGPU Plan connected: decide like a plan for the DiT alone on these ranks (its default workload) whether
-    the gathered weights can stay between steps, from the file's header and the devices' free memory now."""
+def keeps_gathered(path: str, dtype: str | None, devices: list[str], planned: bool = False) -> bool:
+    """No MGPU Plan connected, or one that does not shard the DiT (``planned``: device fsdp chosen on the node):
+    decide like a plan for the DiT alone on these ranks (its default workload) whether the gathered weights can stay
+    between steps, from the file's header and the devices' free memory now."""
     from mgpu.planning.estimates import Workload
     from mgpu.planning.partition import Component, Policy, keep_gathered
 
@@ -115,7 +116,8 @@ def keeps_gathered(path: str, dtype: str | None, devices: list[str]) -> bool:
                                   Workload(), Policy(host_context_gpus=host_context_gpus(machine)))
     except (MgpuError, KeyError) as exc:
         keep, why = False, f"the gathered weights are freed after every step: cannot size the model here ({exc})"
-    log.info("%s: no MGPU Plan: %s", NODE, why)
+    log.info("%s: %s: %s", NODE, "the MGPU Plan does not shard the DiT (device fsdp chosen here)" if planned
+             else "no MGPU Plan", why)
     return keep
 
 

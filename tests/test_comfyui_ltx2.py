@@ -164,7 +164,7 @@ def _comfyui_has_ltx2() -> bool:
 
 def _splits(log: str) -> set[tuple[int, int]]:
     """The (cfg groups, sequence ranks) splits the sharded LTX-2's forwards took, as ComfyUI's log says them."""
-    return {(int(c), int(s)) for c, s in re.findall(re.escape(LTX2) + r": \d+ batch rows per step split (\d+) "
+    return {(int(c), int(s)) for c, s in re.findall(re.escape(LTX2) + r": \d+ batch rows? per step split (\d+) "
                                                     r"\(CFG/batch\) x (\d+) \(sequence\)", log)}
 
 

@@ -49,7 +49,7 @@ def _prompt(cfg: float, seed: int) -> dict:
 
 def _splits(log: str) -> set[tuple[int, int]]:
     return {(int(c), int(s)) for c, s in
-            re.findall(r"mgpu_sp_wan\.safetensors: \d+ batch rows per step split (\d+) \(CFG/batch\) x (\d+) "
+            re.findall(r"mgpu_sp_wan\.safetensors: \d+ batch rows? per step split (\d+) \(CFG/batch\) x (\d+) "
                        r"\(sequence\)", log)}
 
 

@@ -699,3 +699,47 @@ def test_a_host_short_of_ram_says_it_is_free_memory_now_and_what_others_hold(wan
     msg = str(info.value)
     assert "host RAM free now for this plan: " in msg and "of 24 GiB, 23 GiB of it held by other processes" in msg
     assert "budget is 0 B" not in msg
+
+
+@pytest.fixture(scope="module")
+def wan_gguf(tmp_path_factory):
+    """A small Wan DiT as a GGUF file (Q8_0 matrices), the way city96's files quantize it."""
+    import torch
+
+    from mgpu.weights.gguf_write import write_gguf
+
+    layout = L.wan_dit(dim=256, ffn=512, layers=2)
+    state = {k: torch.randn(shape) * 0.02 for k, (shape, _) in layout.items()}
+    types = {k: "Q8_0" if t.ndim == 2 and t.shape[-1] % 32 == 0 else "F32" for k, t in state.items()}
+    path = tmp_path_factory.mktemp("gguf") / "wan_small-Q8_0.gguf"
+    write_gguf(path, state, types)
+    size = size_component(path)
+    assert size.gguf and size.family.startswith("wan")
+    return size
+
+
+@pytest.mark.parametrize("spec, devices", [("2x24GiB,cpu=64GiB", ["cuda:0"]), ("cpu=64GiB", ["cpu"])])
+def test_a_gguf_dit_is_planned_only_where_the_loader_can_load_it(wan_gguf, spec, devices):
+    """MGPU Load Diffusion Model shards GGUF files and loads them no other way: the plan for one that fits one GPU
+    shards it over one rank, and without a GPU over cpu ranks, never "single" or "cpu" (the loader refuses those).
+    A weight dtype does not recast a GGUF file: the plan says so and carries none to the loader."""
+    p = make_plan([Component("dit", wan_gguf, "fp8_e4m3fn")], parse_spec(spec), SD_81, Policy())
+    dit = p.placement("dit")
+    assert (dit.strategy, dit.devices) == ("fsdp", devices)
+    assert dit.weight_bytes == wan_gguf.total_bytes and "fp8" not in dit.weight_dtype
+    text = "\n".join(dit.reasons)
+    assert "a GGUF file: sharded with its quantized blocks kept" in text
+    assert "weight dtype fp8_e4m3fn does not apply to a GGUF file" in text
+
+
+def test_words_say_what_happened_on_a_machine_without_gpus(wan14b):
+    """No GPU at all: the text encoder runs on the CPU because there is none, not because none "has room left";
+    a step of one row is "1 batch row"."""
+    from mgpu.planning.parallel import choose
+
+    p = make_plan([Component("text_encoder", wan14b["text_encoder"])], parse_spec("cpu=64GiB"), SD_81, Policy())
+    reasons = p.placement("text_encoder").reasons
+    assert "no GPU on this machine: runs on the CPU (once per prompt)" in reasons
+    assert not any("room left" in r for r in reasons)
+    one = choose(2, 1, 40, "wan2.1-t2v-14b", sequence_parallel=False)
+    assert any("1 batch row " in r for r in one.reasons) and not any("1 batch rows" in r for r in one.reasons)

@@ -81,7 +81,7 @@ def choose(ranks: int, rows: int, heads: int | None, family: str, sequence_paral
     chosen = Degrees(ranks=ranks, cfg=cfg, sp=sp)
     if cfg > 1:
         chosen.reasons.append(f"CFG/batch split: {cfg} groups of ranks, each computing {math.ceil(rows / cfg)} of the "
-                              f"{rows} batch rows per step (no communication)")
+                              f"{rows} batch row{'s' if rows != 1 else ''} per step (no communication)")
     if sp > 1:
         chosen.reasons.append(f"Ulysses sequence parallel over {sp} ranks: each computes 1/{sp} of the tokens, "
                               f"{heads // sp} of the {heads} heads in attention (two all-to-alls per self-attention)")

@@ -418,6 +418,12 @@ def _expert_reasons(experts: list[Component], mode: str, group: list[Device], sh
     return reasons
 
 
+# MGPU Load Diffusion Model shards a GGUF file and loads it no other way (ComfyUI-GGUF's loader keeps one on one device
+# quantized): a plan for one places it only where that loader can follow, on one GPU too (one rank).
+GGUF_SHARDED = ("a GGUF file: sharded with its quantized blocks kept (MGPU Load Diffusion Model loads GGUF files only "
+                "this way), over the fewest ranks that fit ({k})")
+
+
 def _place_dit(experts: list[Component], gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
                ledger: _Ledger, attempts: list[str]) -> list[Placement] | None:
     """The DiT, or the two experts of a two-expert DiT (``EXPERT_ROLES``) on the same devices with the same
@@ -437,6 +443,7 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
     """One DiT (``mode`` None) or two experts held ``mode``. ``on_gpus``: speed first if asked, then one GPU, then
     the fewest GPUs sharded; else offload, then the CPU."""
     comp, size = experts[0], experts[0].size
+    gguf = size.gguf
     wbytes = [weight_bytes(c.size, c.weight_dtype) for c in experts]
     bases = [dict(role=role, file=c.size.path, family=c.size.family, weight_dtype=_dtype_name(c.size, c.weight_dtype),
                   weight_bytes=w) for role, c, w in zip(EXPERT_ROLES, experts, wbytes)]
@@ -517,6 +524,8 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         placed[0].process_bytes = {d.id: process for d in group}
         return placed
 
+    if not on_gpus and gguf:   # no offload or one-process CPU run of a GGUF file: our cpu ranks shard it
+        return fsdp([host], GGUF_SHARDED.format(k="cpu")) if host is not None and not gpus else None
     if not on_gpus:
         return _dit_on_host(experts, mode, gpus, host, by_budget, wbytes, wl, policy, ledger, attempts, placements)
     if policy.prefer_speed and len(gpus) >= 2:
@@ -525,7 +534,7 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         if placed:
             return placed
 
-    for d in by_budget:
+    for d in ([] if gguf else by_budget):   # one device unsharded is ComfyUI-GGUF's loader, not ours
         working1 = _host_run(max(dit_working_bytes(c.size, wl, batch=1) for c in experts), d.id, policy)
         # one at a time on one GPU: ComfyUI's model management moves the idle expert to host RAM and back
         resident = {d.id: held(wbytes), **({host.id: max(wbytes)} if mode == ONE_AT_A_TIME and host else {})}
@@ -547,17 +556,18 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
             keep_host = [{host.id: w} if mode == ONE_AT_A_TIME and host else {} for w in wbytes]
             return placements("single", [d.id], [{d.id: w, **h} for w, h in zip(wbytes, keep_host)],
                               [{d.id: working1} for _ in experts], reasons)
-    if by_budget:
+    if by_budget and not gguf:
         best = by_budget[0]
         working1 = _host_run(max(dit_working_bytes(c.size, wl, batch=1) for c in experts), best.id, policy)
         attempts.append(f"{noun} on one GPU needs {format_bytes(held(wbytes) + working1)} "
                         f"({format_bytes(held(wbytes))} weights + {format_bytes(working1)} working); largest budget "
                         f"is {format_bytes(ledger.free(best.id))} on {best.id}")
 
-    for k in range(2, len(gpus) + 1):
+    for k in range(1 if gguf else 2, len(gpus) + 1):
         # The k GPUs with the largest budgets: adding a smaller one can only lower the shared bound.
         group = sorted(by_budget[:k], key=lambda d: d.index)
-        placed = fsdp(group, f"too large for one GPU: sharded over the fewest GPUs that fit ({k})")
+        placed = fsdp(group, GGUF_SHARDED.format(k=k) if gguf else
+                      f"too large for one GPU: sharded over the fewest GPUs that fit ({k})")
         if placed:
             return placed
     return None
@@ -629,8 +639,10 @@ def _place_simple(comp: Component, candidates: list[Device], wl: Workload, polic
     """A text encoder on one device: the first candidate with room, GPUs before the host."""
     wbytes = weight_bytes(comp.size, comp.weight_dtype)
     working = text_encoder_working_bytes(comp.size, tokens=policy.text_encoder_tokens, batch=2 if wl.cfg else 1)
+    gpu_here = any(d.kind == "cuda" for d in candidates)
     for d in sorted(candidates, key=lambda d: d.kind == "cpu"):
-        reasons = (["no GPU has room left: runs on the CPU (once per prompt)"] if d.kind == "cpu"
+        reasons = ([f"{'no GPU has room left' if gpu_here else 'no GPU on this machine'}: runs on the CPU (once "
+                    "per prompt)"] if d.kind == "cpu"
                    else ["freed before sampling, so its memory is reused by the DiT"]
                    if policy.free_text_encoder_before_sampling else [])
         if placed := _single(comp, d, working, False, policy, ledger, reasons):
@@ -901,6 +913,14 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
         by_role["text_encoder"] = replace(te, size=text_encoder_for(te.size, by_role["dit"].size))
     placements: list[Placement] = []
     attempts: list[str] = []
+    gguf_notes = {}
+    for role in EXPERT_ROLES:   # a GGUF file keeps its blocks: no weight dtype recasts it (the loader agrees)
+        comp = by_role.get(role)
+        if comp is not None and comp.size.gguf and comp.weight_dtype:
+            gguf_notes[role] = (f"weight dtype {comp.weight_dtype} does not apply to a GGUF file: its weights stay "
+                                "as their quantized blocks (sized as stored); MGPU Load Diffusion Model following "
+                                "this plan loads it with its default dtype")
+            by_role[role] = replace(comp, weight_dtype=None)
 
     if "dit_low_noise" in by_role and "dit" not in by_role:
         raise ValueError("dit_low_noise is the second expert of a two-expert DiT: give the first (high-noise) "
@@ -925,6 +945,9 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
             placed = _place_vae(comp, gpus, host, workload, policy, ledger, placements, attempts)
         if placed is None:
             raise _plan_error(role, components, devices, workload, policy, gpus, ledger, attempts)
+        for p in placed if isinstance(placed, list) else [placed]:
+            if p.role in gguf_notes:
+                p.reasons.append(gguf_notes[p.role])
         placements.extend(placed if isinstance(placed, list) else [placed])
 
     usage = [DeviceUse(device=d.id, budget_bytes=ledger.budget[d.id], peak_bytes=max(ledger.used[d.id].values()),

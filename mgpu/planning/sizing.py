@@ -399,6 +399,11 @@ class ComponentSize:
     # projection, ``ltx2_text_encoder_parts``), sized on its own; ``text_encoder_for`` adds it to the encoder.
     text_encoder_parts: ComponentSize | None = None
 
+    @property
+    def gguf(self) -> bool:
+        """A GGUF file: its weights stay quantized blocks, and only MGPU's FSDP loader loads it."""
+        return self.path.lower().endswith(".gguf")
+
     def to_dict(self) -> dict:
         return asdict(self)
 

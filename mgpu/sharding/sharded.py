@@ -197,8 +197,8 @@ class ShardedModule:
             raise
         split = tuple(replies[0].payload.get("layout", ()))
         if split and split != self.split:
-            log.info("%s: %d batch rows per step split %d (CFG/batch) x %d (sequence) over %d ranks",
-                     self.spec.checkpoint, batch, *split, len(replies))
+            log.info("%s: %d batch row%s per step split %d (CFG/batch) x %d (sequence) over %d ranks",
+                     self.spec.checkpoint, batch, "s" if batch != 1 else "", *split, len(replies))
         self.split = split or None
         answers = sorted((tuple(r.payload["rows"]), r) for r in replies if r.payload["rows"][0] < r.payload["rows"][1])
         streams = answers[0][1].payload.get("streams")
