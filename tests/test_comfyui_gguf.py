@@ -192,3 +192,22 @@ def test_gguf_files_are_found_in_comfyui_gguf_s_folder_too(tmp_path, monkeypatch
     assert model_files.dit_path("sub/b.gguf") == str(ours / "sub" / "b.gguf")
     assert model_files.dit_path("d.safetensors") is None   # not a .gguf, not in diffusion_models
     assert folder_paths.get_filename_list("diffusion_models") == stock == ["a.safetensors"]
+
+
+def test_a_gguf_workflow_with_the_plan_connected_and_the_loader_on_auto_runs_sharded(server: ComfyServer) -> None:
+    """MGPU Plan for the GGUF (with the example workflows' dit_weight_dtype fp8_e4m3fn) connected to MGPU Load
+    Diffusion Model on auto: the plan shards it (cpu ranks: no GPU here) and drops the fp8 recast, so the loader
+    that follows it loads the file on 2 cpu ranks, to stock's latent on the dequantized weights."""
+    prompt = pairs({"stock_unet": unet(REFERENCE), "gguf_unet": fsdp_unet(GGUF, device="auto")},
+                   {"stock": "stock_unet", "gguf": "gguf_unet"})
+    prompt["plan"] = {"class_type": "MgpuPlan", "inputs": {
+        "dit": GGUF, "text_encoder": "none", "vae": "none", "width": 64, "height": 64, "frames": 1, "batch": 1,
+        "cfg": True, "dit_weight_dtype": "fp8_e4m3fn", "devices": "auto", "allow_offload": False,
+        "prefer_speed": False}}
+    prompt["gguf_unet"]["inputs"]["plan"] = ["plan", 0]
+    start = len(server.log())
+    lat = latents(server, run(server, prompt))
+    assert max_diff(lat["gguf"], lat["stock"]) <= TOLERANCE, max_diff(lat["gguf"], lat["stock"])
+    log = server.log()[start:]
+    assert "auto: following the plan (fsdp on cpu)" in log, log[-3000:]
+    assert f"{GGUF} sharded over 2 ranks (cpu, cpu) loaded" in log, log[-3000:]
