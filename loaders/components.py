@@ -41,6 +41,20 @@ def _path(role: str, folder: str, name: str) -> str:
     return path
 
 
+def queue_check(role: str, folder: str, names: list[str], device: str) -> str | None:
+    """What ComfyUI's ``validate_inputs`` of the text encoder and VAE loaders reports when the prompt is queued:
+    files missing from ``folder`` and a device this machine lacks (auto depends on the plan: checked at run time).
+    None when all is there."""
+    try:
+        for name in names:
+            _path(role, folder, name)
+        if device != AUTO:
+            resolve(device, role)
+    except MgpuError as exc:
+        return str(exc)
+    return None
+
+
 def _single_device(role: str, choice: Choice):
     """The torch device of a one-device choice; a plan cannot shard or offload an encoder or VAE."""
     import torch

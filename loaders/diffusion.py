@@ -45,7 +45,7 @@ from . import weight_patches
 from . import gguf_model
 from .model_files import dit_path
 from .plan_check import add_plan_check
-from .placement import NODE_OF_ROLE, available_devices, host_context_gpus, resolve
+from .placement import AUTO, FSDP, NODE_OF_ROLE, available_devices, host_context_gpus, resolve
 from .rank_factory import (agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized,
                            refuse_unknown_family)
 
@@ -74,13 +74,7 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     if sequence_parallel not in SEQUENCE_PARALLEL:
         raise MgpuError(f"{NODE}: sequence_parallel must be one of {', '.join(SEQUENCE_PARALLEL)}, "
                         f"got {sequence_parallel!r}")
-    path = dit_path(unet_name)   # ComfyUI's diffusion_models folders, and ComfyUI-GGUF's for .gguf files
-    if path is None or not os.path.isfile(path):
-        raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
-                        f"({', '.join(folder_paths.get_folder_paths('diffusion_models'))}); put the file there and "
-                        "refresh (press r in the ComfyUI page), or pick another")
-    if path.lower().endswith(".safetensors"):   # on one device too: ComfyUI would build it as another family
-        refuse_unknown_family(path, read_header(path).tensors)
+    path = checked_file(unet_name)
     choice = resolve(device, "dit", plan)
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
     if is_gguf(path):
@@ -100,6 +94,36 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
     if plan is not None and plan.placement("dit") is not None:
         add_plan_check(patcher, size_component(path), plan, f"{NODE} ({unet_name})")
     return patcher
+
+
+def checked_file(unet_name: str) -> str:
+    """The path of ``unet_name``, checked as far as its header says (cheap: no weights read): it exists in
+    ComfyUI's diffusion_models folders (ComfyUI-GGUF's for .gguf files), its header reads, and a safetensors file is
+    a family ComfyUI builds (on one device too: ComfyUI would build it as another family). Raises MgpuError naming
+    the file and what to do."""
+    path = dit_path(unet_name)
+    if path is None or not os.path.isfile(path):
+        raise MgpuError(f"{NODE}: {unet_name!r} is not in ComfyUI's diffusion_models folder "
+                        f"({', '.join(folder_paths.get_folder_paths('diffusion_models'))}); put the file there and "
+                        "refresh (press r in the ComfyUI page), or pick another")
+    if path.lower().endswith(".safetensors"):
+        refuse_unknown_family(path, read_header(path).tensors)
+    else:
+        gguf_model.meta_state_dict(path)   # its header, and tensor types the ranks can dequantize
+    return path
+
+
+def queue_check(unet_name: str, device: str) -> str | None:
+    """What ComfyUI's ``validate_inputs`` reports when the prompt is queued, before earlier nodes run: the file
+    (``checked_file``) and the device choice on this machine. None when both are fine. What changes later (the
+    memory free, a connected plan's decisions) is checked when the node runs."""
+    try:
+        checked_file(unet_name)
+        if device not in (AUTO, FSDP):   # auto and fsdp depend on the plan, checked at run time
+            resolve(device, "dit")
+    except MgpuError as exc:
+        return str(exc)
+    return None
 
 
 def keeps_gathered(path: str, dtype: str | None, devices: list[str], planned: bool = False) -> bool:

@@ -140,6 +140,18 @@ class TileSettings:
     temporal_overlap: int = 8
 
 
+def queue_check(devices: str) -> str | None:
+    """What ComfyUI's ``validate_inputs`` reports when the prompt is queued, before the sampler runs: the devices
+    text read against this machine's devices (``parse_devices``). None when it reads."""
+    from . import placement
+
+    try:
+        parse_devices(devices, [d.id for d in gpus(placement.live_devices())])
+    except MgpuError as exc:
+        return str(exc)
+    return None
+
+
 def decode(vae, samples: dict, devices: str, tiles: TileSettings = TileSettings(),
            machine: Callable[[], list[Device]] | None = None, plan=None) -> torch.Tensor:
     """IMAGE of ``samples`` (a LATENT) decoded as ComfyUI's VAEDecodeTiled with ``tiles`` would, its tiles spread

@@ -16,9 +16,10 @@ _SPLIT_DEVICES_TIP = ("For an encoder too big for one GPU: the devices to split 
                       "device; empty: the device above (whose auto also splits when the MGPU Plan does).")
 
 
-# Files and devices are checked when a loader runs, not when the prompt is queued: a queue-time failure only outlines
-# the node while ComfyUI still runs the valid output nodes (MGPU Plan is one) and reports the prompt a success. At run
-# time the error names the node, the file or device and the choices, and the prompt fails, as for the DiT loader.
+# Files and devices are checked when the prompt is queued (``validate_inputs``), with the loader's own message naming
+# the file or device and the choices, so a missing file is not found only after the slow nodes before it ran; and again
+# when the loader runs (the file may go, a plan decides auto). As for stock loaders, ComfyUI still runs the output
+# nodes that do not depend on a refused node (MGPU Plan is one) and lists the refusal in the response's node_errors.
 # (A ``validate_inputs`` that names an input also turns off ComfyUI's own "Value not in list" check of it.)
 
 
@@ -53,9 +54,10 @@ class MgpuLoadTextEncoder(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, clip_name: str, clip_name2: str, device: str) -> bool:
-        """Checked when the node runs (see above)."""
-        return True
+    def validate_inputs(cls, clip_name: str, clip_name2: str, device: str) -> bool | str:
+        """Checked when the prompt is queued (see above)."""
+        names = [clip_name] + ([] if clip_name2 == NONE else [clip_name2])
+        return components.queue_check("text_encoder", "text_encoders", names, device) or True
 
     @classmethod
     def execute(cls, clip_name: str, type: str, device: str, clip_name2: str = NONE, plan=None,
@@ -81,9 +83,9 @@ class MgpuLoadVAE(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, vae_name: str, device: str) -> bool:
-        """Checked when the node runs (see above)."""
-        return True
+    def validate_inputs(cls, vae_name: str, device: str) -> bool | str:
+        """Checked when the prompt is queued (see above)."""
+        return components.queue_check("vae", "vae", [vae_name], device) or True
 
     @classmethod
     def execute(cls, vae_name: str, device: str, plan=None) -> io.NodeOutput:

@@ -41,10 +41,11 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, unet_name: str, device: str) -> bool:
-        """Checked when the node runs instead: a file or GPU missing here is a node error that names it and lists
-        what there is, not ComfyUI's bare "Value not in list"."""
-        return True
+    def validate_inputs(cls, unet_name: str, device: str) -> bool | str:
+        """Checked when the prompt is queued, before the nodes before it run: a missing or unreadable file, or a
+        GPU this machine lacks, refuses the prompt with a message that names it and what there is (instead of
+        ComfyUI's bare "Value not in list", or an error after a long text encode)."""
+        return diffusion.queue_check(unet_name, device) or True
 
     @classmethod
     def execute(cls, unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None,

@@ -49,6 +49,12 @@ class MgpuVAEDecode(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, devices: str) -> bool | str:
+        """A devices text that does not read, or names a GPU this machine lacks, refuses the prompt when it is
+        queued, not after a whole sampling run."""
+        return parallel_decode.queue_check(devices) or True
+
+    @classmethod
     def execute(cls, samples: dict, vae, devices: str, plan=None, **tiles: int) -> io.NodeOutput:
         settings = parallel_decode.TileSettings(**tiles)
         return io.NodeOutput(parallel_decode.decode(vae, samples, devices, settings, plan=plan))

@@ -25,7 +25,7 @@ from comfy_checkpoints import (
     write_tiny_ltxv,
     write_tiny_wan21_t2v,
 )
-from comfyui_env import SKIP_REASON, ComfyServer, find_comfyui, start_server
+from comfyui_env import SKIP_REASON, ComfyServer, PromptRejected, find_comfyui, start_server
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.comfyui
@@ -338,16 +338,35 @@ def test_a_changed_loader_frees_its_old_shards_before_loading_new_ones(server: C
     ({"unet_name": "no_such_model.safetensors"}, ["'no_such_model.safetensors' is not in ComfyUI's diffusion_models"]),
     ({"device": "cuda:7"}, ["cuda:7 does not exist", "pick one of auto, cpu, fsdp"]),
 ])
-def test_bad_input_is_a_readable_node_error(server: ComfyServer, loader: dict, expected: list[str]) -> None:
-    """(e) a missing file or GPU fails the loader node with a message naming it; no rank is started for it."""
+def test_bad_input_is_refused_when_queued(server: ComfyServer, loader: dict, expected: list[str]) -> None:
+    """(e) a missing file or GPU refuses the prompt at POST /prompt, before any node runs (the text encoder's
+    minute), with the loader's message naming it; no rank is started for it."""
     before = {p.pid for p in ranks_of(server)}
     prompt = sharded_prompt(2)
     prompt["fsdp_unet"]["inputs"].update(loader)
-    error = error_of(run(server, prompt, ok=False))
-    assert error["node_id"] == "fsdp_unet" and error["node_type"] == "MgpuLoadDiffusionModel"
+    node_type, message = rejection_of(server, prompt, "fsdp_unet")
+    assert node_type == "MgpuLoadDiffusionModel"
     for text in expected:
-        assert text in error["exception_message"]
+        assert text in message, message
     assert {p.pid for p in ranks_of(server)} <= before
+
+
+def test_an_html_page_saved_as_safetensors_is_refused_when_queued(server: ComfyServer) -> None:
+    """A download that saved the site's HTML page under the model's name: its header is read at POST /prompt."""
+    page = server.models_dir / "diffusion_models" / "mgpu_saved_page.safetensors"
+    page.write_text("<!DOCTYPE html><html><body>Sign in to download</body></html>\n" * 20)
+    prompt = sharded_prompt(2)
+    prompt["fsdp_unet"]["inputs"]["unet_name"] = page.name
+    _, message = rejection_of(server, prompt, "fsdp_unet")
+    assert "mgpu_saved_page.safetensors" in message and "safetensors" in message, message
+
+
+def rejection_of(server: ComfyServer, prompt: dict, node: str) -> tuple[str, str]:
+    """(class type, messages) of ``node``'s errors when POST /prompt refuses ``prompt`` (validate_inputs)."""
+    with pytest.raises(PromptRejected) as info:
+        server.post_prompt(prompt)
+    errors = info.value.body["node_errors"][node]
+    return errors["class_type"], "\n".join(e.get("details", "") for e in errors["errors"])
 
 
 def test_killed_rank_is_a_node_error_and_the_next_prompt_rebuilds(server: ComfyServer) -> None:

@@ -27,6 +27,7 @@ from test_comfyui_fsdp import (
     latents,
     max_diff,
     ranks_of,
+    rejection_of,
     run,
     write_lora,
 )
@@ -141,7 +142,6 @@ def test_a_lora_on_the_sharded_gguf_matches_stock(server: ComfyServer) -> None:
 @pytest.mark.parametrize(("name", "loader", "expected"), [
     (GGUF, {"device": "cpu"}, ["is a GGUF file", "device fsdp", "ComfyUI-GGUF"]),
     (GGUF, {"weight_dtype": "fp8_e4m3fn"}, ["weight_dtype float8_e4m3fn does not apply", "default, bf16"]),
-    (UNSUPPORTED, {}, ["blocks.1.ffn.0.weight (Q2_K)", "Supported: Q8_0", "ComfyUI-GGUF"]),
 ])
 def test_what_cannot_shard_is_a_node_error_before_any_rank_loads(server: ComfyServer, name: str, loader: dict,
                                                                   expected: list[str]) -> None:
@@ -151,6 +151,17 @@ def test_what_cannot_shard_is_a_node_error_before_any_rank_loads(server: ComfySe
     assert error["node_id"] == "gguf_unet" and error["node_type"] == "MgpuLoadDiffusionModel"
     for text in expected:
         assert text in error["exception_message"], error["exception_message"]
+    assert {p.pid for p in ranks_of(server)} <= before
+
+
+def test_a_type_the_ranks_cannot_dequantize_refuses_the_prompt_when_queued(server: ComfyServer) -> None:
+    """Read from the file's header at POST /prompt: refused before any node runs, naming the tensor and its type."""
+    before = {p.pid for p in ranks_of(server)}
+    node_type, message = rejection_of(server, pairs({"gguf_unet": fsdp_unet(UNSUPPORTED)}, {"gguf": "gguf_unet"}),
+                                      "gguf_unet")
+    assert node_type == "MgpuLoadDiffusionModel"
+    for text in ("blocks.1.ffn.0.weight (Q2_K)", "Supported: Q8_0", "ComfyUI-GGUF"):
+        assert text in message, message
     assert {p.pid for p in ranks_of(server)} <= before
 
 

@@ -177,35 +177,46 @@ def test_vae_auto_refuses_a_plan_made_for_other_devices(server: ComfyServer):
     assert "this machine has cpu host RAM" in msg and msg.endswith("pick one of auto, cpu")
 
 
-def test_a_bad_device_fails_the_prompt_even_beside_an_mgpu_plan(server: ComfyServer):
-    """MGPU Plan is an output node: a loader refused at queue time would only be outlined while ComfyUI ran the
-    plan alone and called the prompt a success. The loader fails when it runs, naming the device and the choices."""
-    entry = run(server, vae_decode_prompt("cuda:7", plan_node(devices="auto")))
-    err = error_of(entry)
-    assert err["node_type"] == "MgpuLoadVAE"
-    msg = err["exception_message"].rstrip()
-    assert msg.startswith("MGPU Load VAE: device cuda:7 does not exist; this machine has cpu")
-    assert msg.endswith("pick one of auto, cpu")
+def queued_errors(server: ComfyServer, prompt: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST /prompt's status and its node_errors: ComfyUI refuses a prompt whose outputs all fail validation (400),
+    and queues the valid outputs of one where some do (200), listing the others' node errors either way."""
+    status, body = server._request("POST", "/prompt", {"prompt": prompt, "client_id": server.client_id})
+    return status, body.get("node_errors", {})
 
 
-def test_a_file_that_is_not_there_fails_the_prompt_naming_it(server: ComfyServer):
-    prompt = vae_decode_prompt("cpu", plan_node(devices="auto"))
+def _details(errors: dict[str, Any], node: str) -> str:
+    return "\n".join(e.get("details", "") for e in errors[node]["errors"])
+
+
+def test_a_bad_device_is_reported_when_queued_even_beside_an_mgpu_plan(server: ComfyServer):
+    """Checked at POST /prompt, before any node runs: alone the prompt is refused; beside an MGPU Plan (an output
+    node that does not need the loader) ComfyUI still runs the plan, and the response names the loader's error."""
+    status, errors = queued_errors(server, vae_decode_prompt("cuda:7"))
+    assert status == 400 and errors["2"]["class_type"] == "MgpuLoadVAE"
+    msg = _details(errors, "2")
+    assert "MGPU Load VAE: device cuda:7 does not exist; this machine has cpu" in msg and "pick one of auto, cpu" in msg
+    status, errors = queued_errors(server, vae_decode_prompt("cuda:7", plan_node(devices="auto")))
+    assert "MGPU Load VAE: device cuda:7 does not exist" in _details(errors, "2")
+
+
+def test_a_file_that_is_not_there_is_refused_when_queued_naming_it(server: ComfyServer):
+    prompt = vae_decode_prompt("cpu")
     prompt["2"]["inputs"]["vae_name"] = "never_there.safetensors"
-    err = error_of(run(server, prompt))
-    assert err["node_type"] == "MgpuLoadVAE"
-    assert err["exception_message"].startswith("MGPU Load VAE: 'never_there.safetensors' is not in ComfyUI's vae folder")
+    status, errors = queued_errors(server, prompt)
+    assert status == 400 and errors["2"]["class_type"] == "MgpuLoadVAE"
+    assert "MGPU Load VAE: 'never_there.safetensors' is not in ComfyUI's vae folder" in _details(errors, "2")
 
 
 def test_a_listed_file_that_is_gone_names_the_file(server: ComfyServer):
-    """A dangling link is listed by ComfyUI but cannot be opened: the loader says so before loading anything."""
+    """A dangling link is listed by ComfyUI but cannot be opened: refused when queued, naming the file."""
     link = server.vae / "mgpu_gone.safetensors"
     if not link.is_symlink():
         os.symlink(server.vae / "does-not-exist.safetensors", link)
     prompt = vae_decode_prompt("cpu")
     prompt["2"]["inputs"]["vae_name"] = link.name
-    err = error_of(run(server, prompt))
-    assert err["node_type"] == "MgpuLoadVAE"
-    assert err["exception_message"].startswith("MGPU Load VAE: 'mgpu_gone.safetensors' is not in ComfyUI's vae folder")
+    status, errors = queued_errors(server, prompt)
+    assert status == 400
+    assert "MGPU Load VAE: 'mgpu_gone.safetensors' is not in ComfyUI's vae folder" in _details(errors, "2")
 
 
 def test_text_encoder_loader_encodes_on_cpu(server: ComfyServer):
@@ -229,11 +240,11 @@ def test_text_encoder_type_and_device_errors(server: ComfyServer):
     prompt = {"1": {"class_type": "MgpuLoadTextEncoder", "inputs": {"clip_name": CLIP_L, "type": "wan",
                                                                     "device": "cuda:1", "clip_name2": "none"}},
               "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
-    err = error_of(run(server, prompt))
-    assert err["node_type"] == "MgpuLoadTextEncoder"
-    assert "MGPU Load Text Encoder: device cuda:1 does not exist" in err["exception_message"]
+    status, errors = queued_errors(server, prompt)
+    assert status == 400 and errors["1"]["class_type"] == "MgpuLoadTextEncoder"
+    assert "MGPU Load Text Encoder: device cuda:1 does not exist" in _details(errors, "1")
     prompt["1"]["inputs"]["device"] = "fsdp"
-    assert "fsdp shards only the diffusion model" in error_of(run(server, prompt))["exception_message"]
+    assert "fsdp shards only the diffusion model" in _details(queued_errors(server, prompt)[1], "1")
 
 
 def test_a_latent_larger_than_the_plan_warns_with_the_numbers(server: ComfyServer):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from PIL import Image
 from comfy_checkpoints import write_tiny_wan21_t2v, write_wan21_vae
-from comfyui_env import ComfyServer, find_comfyui, run_checks
+from comfyui_env import ComfyServer, PromptRejected, find_comfyui, run_checks
 
 pytestmark = pytest.mark.comfyui
 
@@ -153,8 +153,8 @@ def test_the_node_offers_vae_decode_tiled_settings_and_a_devices_list(server):
 
 def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
     """A Wan latent through MGPU VAE Decode on cpu,cpu and through VAE Decode (Tiled): the same PNGs, also with an
-    MGPU Plan connected and devices auto; a devices text naming a GPU this machine lacks fails the prompt with the
-    node's message."""
+    MGPU Plan connected and devices auto; a devices text naming a GPU this machine lacks refuses the prompt when it
+    is queued, with the node's message."""
     tiles = {"tile_size": 64, "overlap": 16, "temporal_size": 8, "temporal_overlap": 4}
     prompt = {
         "1": {"class_type": "MgpuLoadVAE", "inputs": {"vae_name": VAE, "device": "cpu"}},
@@ -192,13 +192,14 @@ def test_the_node_decodes_a_video_as_vae_decode_tiled_does(server):
     del prompt["7"], prompt["8"], prompt["9"], prompt["3"]["inputs"]["plan"], prompt["1"]["inputs"]["plan"]
     prompt["1"]["inputs"]["device"] = "cpu"
 
-    prompt["3"]["inputs"]["devices"] = "cpu,cuda:5"
+    prompt["3"]["inputs"]["devices"] = "cpu,cuda:5"   # refused when queued, before the sampler would run
     del prompt["4"], prompt["6"]
-    entry = server.wait(server.post_prompt(prompt), timeout=600)
-    assert entry["status"]["status_str"] == "error"
-    (err,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
-    assert err["node_type"] == "MgpuVAEDecode"
-    assert err["exception_message"].startswith("MGPU VAE Decode: device 'cuda:5' in devices 'cpu,cuda:5' does not")
+    with pytest.raises(PromptRejected) as info:
+        server.post_prompt(prompt)
+    errors = info.value.body["node_errors"]["3"]
+    assert errors["class_type"] == "MgpuVAEDecode"
+    assert any(e["details"].startswith("devices - MGPU VAE Decode: device 'cuda:5' in devices 'cpu,cuda:5' does not")
+               for e in errors["errors"]), errors
 
 
 def test_copies_of_a_dynamic_vram_vae_leave_its_device_state_behind(tmp_path):
