@@ -17,7 +17,7 @@ from mgpu.errors import MgpuError, ShardingError
 from mgpu.planning.devices import gpus
 
 from .model_files import VAE_PREFIX_IN_CHECKPOINT
-from .placement import AUTO, CPU, NODE_OF_ROLE, Choice, live_devices, resolve
+from .placement import AUTO, CPU, NODE_OF_ROLE, Choice, check_plan_file, live_devices, resolve
 
 log = logging.getLogger("mgpu")
 
@@ -148,6 +148,7 @@ def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None, 
     if clip_type not in types:
         raise MgpuError(f"{node}: type {clip_type!r} is not offered by this ComfyUI; pick one of {', '.join(types)}")
     paths = [_path("text_encoder", "text_encoders", n) for n in names]  # before anything is loaded
+    check_plan_file(plan, "text_encoder", paths[0])
     choice = None if split_spec.strip() else resolve(device, "text_encoder", plan)
     if choice is None or choice.strategy == SPLIT:
         devices = split_devices(split_spec, plan) if choice is None else list(choice.devices)
@@ -192,6 +193,7 @@ def load_vae(name: str, device: str, plan=None):
     import comfy.sd
 
     path = _path("vae", "vae", name)
+    check_plan_file(plan, "vae", path)
     load = _single_device("vae", resolve(device, "vae", plan))
     sd, metadata = vae_state_dict(path)
     vae = comfy.sd.VAE(sd=sd, device=load, metadata=metadata)

@@ -45,7 +45,8 @@ from . import weight_patches
 from . import gguf_model
 from .model_files import dit_path
 from .plan_check import add_plan_check
-from .placement import AUTO, FSDP, NODE_OF_ROLE, available_devices, host_context_gpus, resolve
+from .placement import (AUTO, FSDP, NODE_OF_ROLE, available_devices, check_plan_file, host_context_gpus,
+                        resolve)
 from .rank_factory import (agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized,
                            refuse_unknown_family)
 
@@ -75,6 +76,7 @@ def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=N
         raise MgpuError(f"{NODE}: sequence_parallel must be one of {', '.join(SEQUENCE_PARALLEL)}, "
                         f"got {sequence_parallel!r}")
     path = checked_file(unet_name)
+    check_plan_file(plan, "dit", path)
     choice = resolve(device, "dit", plan)
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
     if is_gguf(path):

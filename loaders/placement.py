@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -256,6 +257,22 @@ def _split_decode_home(placed, devices: list[Device], choices: list[str]) -> Cho
                   "a device on this node)")
     return Choice("single", [home], None, f"auto: following the plan (the VAE on {home}; MGPU VAE Decode splits "
                                           f"its decode over {', '.join(placed.devices)})")
+
+
+def check_plan_file(plan, role: str, path: str) -> None:
+    """Refuse a connected plan made for another file than the one this loader loads: its placement and memory
+    numbers are that file's, and following them would load a model nobody planned. A two-expert plan names two
+    DiT files, and either loader may load either."""
+    if plan is None:
+        return
+    roles = ("dit", "dit_low_noise") if role == "dit" else (role,)
+    planned = [p.file for p in plan.placements if p.role in roles]
+    if not planned or any(os.path.realpath(f) == os.path.realpath(path) for f in planned):
+        return
+    names = " and ".join(os.path.basename(f) for f in planned)
+    raise MgpuError(f"{_node(role)}: the connected MGPU Plan was made for {names}, and this loader loads "
+                    f"{os.path.basename(path)}: the plan's devices and memory are that file's. Pick the same file in "
+                    "MGPU Plan and here, or disconnect the plan")
 
 
 def resolve(choice: str, role: str, plan=None, devices: list[Device] | None = None) -> Choice:

@@ -237,3 +237,23 @@ def test_a_failing_comfyui_device_list_falls_back(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="mgpu"):
         assert [d.id for d in placement.live_devices()] == ["cuda:0", "cpu"]
     assert "get_all_torch_devices() failed (no CUDA)" in caplog.text
+
+
+def test_a_plan_for_another_file_is_refused_by_the_loader_naming_both(wan14b, tmp_path):
+    """A plan made for one DiT, connected to a loader of another file: following it would load a model nobody
+    planned, with that file's devices and memory. The planned file (also through a link) passes."""
+    plan = make(wan14b, "2x80GiB,cpu=64GiB")
+    planned = plan.placement("dit").file
+    placement.check_plan_file(plan, "dit", planned)
+    link = tmp_path / "same_model.safetensors"
+    link.symlink_to(planned)
+    placement.check_plan_file(plan, "dit", str(link))
+    placement.check_plan_file(None, "dit", "/elsewhere/other.safetensors")
+    with pytest.raises(MgpuError) as info:
+        placement.check_plan_file(plan, "dit", "/elsewhere/wan2.1_t2v_1.3B_bf16.safetensors")
+    msg = str(info.value)
+    assert msg.startswith("MGPU Load Diffusion Model: the connected MGPU Plan was made for "
+                          "wan_14b.safetensors, and this loader loads wan2.1_t2v_1.3B_bf16.safetensors")
+    assert "Pick the same file in MGPU Plan and here, or disconnect the plan" in msg
+    with pytest.raises(MgpuError, match="^MGPU Load VAE: the connected MGPU Plan was made for vae.safetensors"):
+        placement.check_plan_file(plan, "vae", "/elsewhere/other_vae.safetensors")
