@@ -743,3 +743,19 @@ def test_words_say_what_happened_on_a_machine_without_gpus(wan14b):
     assert not any("room left" in r for r in reasons)
     one = choose(2, 1, 40, "wan2.1-t2v-14b", sequence_parallel=False)
     assert any("1 batch row " in r for r in one.reasons) and not any("1 batch rows" in r for r in one.reasons)
+
+
+def test_a_text_encoder_loaded_into_host_ram_counts_its_weights_twice():
+    """ComfyUI 0.3.64 loading UMT5-XXL fp8 (5.7 GB) on the CPU peaked at 12.3 GB of host RAM, where weights +
+    working planned 7.5 GiB: the file's tensors and the built encoder are alive at once."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        te = size_component(L.write_safetensors(Path(d) / "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                                                L.recast(L.umt5_xxl(), "F8_E4M3"), sparse=True))
+    p = make_plan([Component("text_encoder", te)], parse_spec("cpu=64GiB"), SD_81, Policy())
+    placed = p.placement("text_encoder")
+    peak = p.usage[0].by_phase["encode"]
+    assert placed.strategy == "cpu" and peak >= 12.3e9 and peak >= 2 * placed.weight_bytes
+    assert any("weights are counted twice" in r for r in placed.reasons)
