@@ -10,6 +10,7 @@ import json
 import sys
 
 from mgpu.errors import MgpuError, PlanError
+from mgpu.planning import examples
 
 
 def _add_devices_arg(p: argparse.ArgumentParser) -> None:
@@ -27,7 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser("plan", help="decide where the text encoder, DiT and VAE live for a workload")
-    p.add_argument("--dit", required=True, metavar="FILE", help="diffusion transformer (.safetensors or sharded folder)")
+    p.add_argument("--example", metavar="NAME", help="plan a full-size example instead of your files (their headers, "
+                   "written to a temporary folder; nothing downloaded): "
+                   + ", ".join(examples.EXAMPLES) + f"; devices {examples.DEVICES} unless --devices")
+    p.add_argument("--dit", metavar="FILE", help="diffusion transformer (.safetensors, .gguf or sharded folder)")
     p.add_argument("--dit-low-noise", metavar="FILE",
                    help="a second expert on the same devices (Wan 2.2 A14B: --dit is then the high-noise one); "
                         "planned both resident if memory allows, else one at a time with the cost of each switch")
@@ -36,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dit-weight-dtype", metavar="DTYPE", help="run the DiT in this weight dtype (e.g. fp8_e4m3fn, bf16)")
     p.add_argument("--text-encoder-dtype", metavar="DTYPE")
     _add_devices_arg(p)
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--width", type=int, help="default 832 (an example: its template's)")
+    p.add_argument("--height", type=int, help="default 480 (an example: its template's)")
+    p.add_argument("--frames", type=int, help="default 81 (an example: its template's)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=True,
                    help="classifier-free guidance (cond + uncond per step); --no-cfg for distilled models")
@@ -81,6 +85,29 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    """``--example``: the example's files, workload and devices fill what the command line leaves out."""
+    if args.example is None:
+        if args.dit is None:
+            raise MgpuError("give the DiT with --dit FILE, or plan an example with --example "
+                            + "|".join(examples.EXAMPLES))
+        for name, default in (("width", 832), ("height", 480), ("frames", 81)):
+            setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+        return _plan_files(args)
+    example = examples.EXAMPLES.get(args.example)
+    if example is None:
+        raise MgpuError(f"--example {args.example!r} is not an example; pick one of {', '.join(examples.EXAMPLES)}")
+    for name in ("width", "height", "frames"):
+        setattr(args, name, getattr(example, name) if getattr(args, name) is None else getattr(args, name))
+    args.devices = args.devices or examples.DEVICES
+    args.dit_weight_dtype = args.dit_weight_dtype or example.dit_weight_dtype
+    print(f"example: {example.title}; devices {args.devices}", file=sys.stderr if args.json else sys.stdout)
+    with examples.example_files(args.example) as files:
+        for role, path in files.items():   # the roles are the options' names: --dit, --text-encoder, ...
+            setattr(args, role, path)
+        return _plan_files(args)
+
+
+def _plan_files(args: argparse.Namespace) -> int:
     from mgpu.planning.devices import inventory, parse_bytes
     from mgpu.planning.estimates import Workload, weight_bytes
     from mgpu.planning.partition import Component, Policy, make_plan

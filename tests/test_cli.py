@@ -208,3 +208,28 @@ def test_a_demo_stopped_midway_exits_cleanly_and_leaves_nothing_behind(tmp_path,
     assert not alive
     assert not list(tmp_path.glob("mgpu-*")), list(tmp_path.iterdir())
     assert not glob.glob(f"/dev/shm/mgpu-{proc.pid}-*")
+
+
+@pytest.mark.parametrize("name, says", [
+    ("wan2.1-14b", "dit: fsdp on cuda:0, cuda:1 (wan2.1-t2v-14b, fp8_e4m3fn, 13.3 GiB)"),
+    ("wan2.2-a14b", "dit_low_noise: fsdp on cuda:0, cuda:1"),
+    ("ltx2-19b", "dit: single on cuda:0 (ltx2-av, fp8_e4m3fn, 18.2 GiB)"),
+])
+def test_plan_example_plans_full_size_models_without_their_files(tmp_path, name, says):
+    """README's way to try the planner without ~30 GB of downloads: the examples' headers, written to a
+    temporary folder and removed, planned for two 24 GiB GPUs at their templates' size."""
+    r = mgpu("plan", "--example", name, env={"TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"example: ") and "devices 2x24GiB,cpu=64GiB" in r.stdout.splitlines()[0]
+    assert says in r.stdout, r.stdout
+    assert not list(tmp_path.iterdir())
+    r = mgpu("plan", "--example", name, "--devices", "2x80GiB,cpu=64GiB", "--frames", "33", "--json")
+    plan = Plan.from_json(r.stdout)   # JSON alone on stdout; the example's line goes to stderr
+    assert plan.workload["frames"] == 33 and plan.workload["width"] == 1280
+
+
+def test_plan_without_files_or_example_says_what_to_give():
+    for args, says in ((("plan",), "give the DiT with --dit FILE, or plan an example with --example"),
+                       (("plan", "--example", "sd15"), "--example 'sd15' is not an example; pick one of wan2.1-14b")):
+        r = mgpu(*args)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
