@@ -826,3 +826,29 @@ def test_a_failure_shows_the_ranks_last_meaningful_log_lines(tmp_path):
     assert "warning: something the rank said once" in tail
     assert [line for line in tail if line.endswith(": model.forward")] == calls[-3:]
     assert tail[-3:] == error
+
+
+PAIR_SITECUSTOMIZE = """
+import torch.distributed as dist
+real = dist.all_to_all_single
+
+def all_to_all_single(output, input, *args, **kwargs):
+    work = real(output, input, *args, **kwargs)
+    if dist.get_rank() == 0 and not getattr(all_to_all_single, "done", False):   # the start-up check only
+        all_to_all_single.done = True
+        output[1].zero_()                  # what rank 1 sent rank 0 never arrived (a broken pair)
+    return work
+dist.all_to_all_single = all_to_all_single
+"""
+
+
+def test_a_broken_pair_in_the_start_up_all_to_all_fails_naming_the_sender(tmp_path):
+    """One all-reduce passes over ring neighbours only; the sequence-parallel all-to-alls use every pair, so the
+    start-up check sends a distinct row to every rank too, and a row lost on one pair names its sender."""
+    (tmp_path / "sitecustomize.py").write_text(PAIR_SITECUSTOMIZE)
+    pool = RankPool(PoolConfig(["cpu", "cpu"], extra_sys_path=[str(tmp_path), TESTS], error_grace_s=GRACE_S))
+    with pytest.raises(RankFailure) as info:
+        pool.start()
+    text = str(info.value)
+    assert "the start-up all-to-all over 2 ranks returned wrong values on rank 0 (cpu) from rank 1" in text, text
+    assert info.value.rank == 1 and not pool.alive

@@ -92,7 +92,8 @@ def test_two_ranks_on_one_gpu_only_with_gloo_asked_for(monkeypatch):
 
 def test_nccl_ranks_dump_the_flight_recorder_into_the_pools_directory(clean_env, tmp_path):
     env = RankPool(PoolConfig(["cuda:0", "cuda:1"]))._rank_env("nccl", str(tmp_path))
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env   # deprecated in 2.13: a warning on every rank
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(str(tmp_path), "nccl_trace_rank_")
     assert not any(var in RankPool(PoolConfig(["cpu", "cpu"]))._rank_env("gloo", str(tmp_path)) for var in FR_VARS)
 
@@ -108,7 +109,7 @@ def test_the_users_flight_recorder_settings_win(clean_env, tmp_path, monkeypatch
         assert "TORCH_FR_DUMP_TEMP_FILE" not in env or env["TORCH_FR_DUMP_TEMP_FILE"] == user.get(
             "TORCH_FR_DUMP_TEMP_FILE")
     if "BUFFER" in next(iter(user)):
-        assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env
+        assert "TORCH_FR_BUFFER_SIZE" not in env or env.get("TORCH_FR_BUFFER_SIZE") == "0"
 
 
 # --------------------------------------------------------------------------------------------- P2P fallback, /dev/shm

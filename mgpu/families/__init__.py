@@ -15,6 +15,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch import nn
@@ -76,7 +77,7 @@ def plan_sp_degree(model: nn.Module, wanted: int, ranks: int) -> SpDegree:
 _groups: dict[int, dist.ProcessGroup] = {}
 
 
-def sequence_groups(degrees: list[int]) -> dict[int, dist.ProcessGroup]:
+def sequence_groups(degrees: list[int], timeout: timedelta | None = None) -> dict[int, dist.ProcessGroup]:
     """This rank's sequence-parallel group of each degree > 1 in ``degrees``: ranks ``[g * d, (g + 1) * d)`` for
     cfg group g. Collective: every rank calls it with the same degrees (``new_group`` is collective over WORLD, so
     every group of a degree is made, in rank order, on every rank).
@@ -86,11 +87,12 @@ def sequence_groups(degrees: list[int]) -> dict[int, dist.ProcessGroup]:
     is one stream, so the self-attention all-to-alls would queue behind the next block's prefetched all-gather. Made
     once per degree (each is an NCCL communicator on every member rank, which costs GPU memory) and kept: a rank
     process outlives its models. Nothing communicates over the cfg groups (each computes its own rows), so none
-    is made for them."""
+    is made for them. ``timeout``: the ranks' collective timeout (the pool's, shorter than the host's on NCCL so the
+    flight recorder dumps first); without it NCCL's groups would wait torch's default 10 minutes."""
     ranks = dist.get_world_size()
     for degree in sorted(d for d in degrees if d > 1 and d not in _groups):
         for first in range(0, ranks, degree):
-            group = dist.new_group(list(range(first, first + degree)))
+            group = dist.new_group(list(range(first, first + degree)), timeout=timeout)
             if first <= dist.get_rank() < first + degree:
                 _groups[degree] = group
     return {d: _groups[d] for d in degrees if d > 1}
@@ -118,7 +120,7 @@ class Layouts:
         return {"cfg": self.ranks // widest, "sp": widest, "degrees": list(self.degrees), "note": self.note}
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int) -> Layouts:
+def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int, timeout: timedelta | None = None) -> Layouts:
     """Install ``model``'s sequence parallelism over ``mesh``'s ranks for every degree up to ``sp_degree`` that its
     heads and the ranks allow (collective: every rank calls it, before FSDP shards the model)."""
     ranks = mesh.size()
@@ -130,4 +132,4 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, sp_degree: int) -> Layouts:
     family = family_of(model)
     heads = family.heads(model)
     degrees = [d for d in range(1, chosen.degree + 1) if ranks % d == 0 and heads % d == 0]
-    return Layouts(ranks, degrees, chosen.note, family.parallelize(model, sequence_groups(degrees)))
+    return Layouts(ranks, degrees, chosen.note, family.parallelize(model, sequence_groups(degrees, timeout)))

@@ -7,7 +7,8 @@ coordinated dump through the store), then aborts the rank. Each dump holds, per 
 of the last collective the rank queued, started and completed; the rank whose number lags never joined.
 
 Variables (the same in torch 2.11 and 2.13, read from their libtorch_cpu / libtorch_cuda and FlightRecorder.hpp):
-``TORCH_NCCL_TRACE_BUFFER_SIZE`` (entries kept; ``TORCH_FR_BUFFER_SIZE`` is read first), ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
+``TORCH_FR_BUFFER_SIZE`` (entries kept; ``TORCH_NCCL_TRACE_BUFFER_SIZE``, its deprecated name, is read too and makes
+2.13 warn on every rank), ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
 ``TORCH_FR_DUMP_TEMP_FILE`` (file prefix, the global rank appended; ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` is its old
 name, read second). Defaults there: 2000 entries, dump on, prefix ``~/.cache/torch/comm_lib_trace_rank_``. The pool
 sets them explicitly (so the dumps land in its private 0700 directory); a value the user set wins.
@@ -38,7 +39,7 @@ MAX_DUMP_BYTES = 64 * 2**20    # 2000 entries with stacks are a few MB
 
 def rank_env(work_dir: str, env: Mapping[str, str]) -> dict[str, str]:
     """What the NCCL ranks' environment gets: the recorder on, dumping on timeout into ``work_dir``."""
-    out = {} if any(v in env for v in BUFFER_VARS) else {"TORCH_NCCL_TRACE_BUFFER_SIZE": BUFFER_SIZE}
+    out = {} if any(v in env for v in BUFFER_VARS) else {"TORCH_FR_BUFFER_SIZE": BUFFER_SIZE}   # the other: deprecated
     if DUMP_VAR not in env:
         out[DUMP_VAR] = "1"
     if not any(v in env for v in PREFIX_VARS):

@@ -86,6 +86,7 @@ class RankContext:
     control: Any = None           # a gloo group over all ranks: agreeing on a cancel costs no GPU synchronisation
     cancel_flag: Any = None       # the host writes the number of the call it cancels here (mmap, 8 bytes)
     call: int = 0                 # the number of the call being served
+    collective_timeout: timedelta | None = None   # the pool's, for process groups ops make (sequence groups)
 
     def raise_if_cancelled(self) -> None:
         """Raise Cancelled on every rank, or on none: call it at the same point on all ranks (e.g. before each
@@ -241,6 +242,13 @@ def probe_tensor(rank: int, world_size: int, device: torch.device) -> torch.Tens
     return t
 
 
+def pair_probe_tensor(rank: int, world_size: int, device: torch.device) -> torch.Tensor:
+    """What ``rank`` sends every rank in the start-up all-to-all: row j (for rank j) filled with
+    rank * world_size + j + 1, so each pair's values are its own and a row lost on the way shows."""
+    rows = torch.arange(world_size, dtype=torch.float32, device=device) + rank * world_size + 1
+    return rows.unsqueeze(1).expand(world_size, PROBE_ELEMENTS // world_size or 1).contiguous()
+
+
 def probe_wrong_rows(result: torch.Tensor) -> list[int]:
     """The rows of a summed ``probe_tensor`` that are not rank + 1 throughout: whose contribution arrived wrong."""
     want = torch.arange(1, result.shape[0] + 1, dtype=result.dtype).unsqueeze(1)
@@ -248,14 +256,19 @@ def probe_wrong_rows(result: torch.Tensor) -> list[int]:
 
 
 def _probe(rank: int, world_size: int, device: torch.device, report: _StartReport, timeout_s: float) -> float:
-    """One all-reduce of a known tensor on the default group, checked; returns its seconds. Past ``timeout_s`` a timer
-    reports the timeout and ends the process: a hung NCCL kernel never returns control to this thread."""
+    """One all-reduce and one all-to-all of known tensors on the default group, checked; returns their seconds. Past
+    ``timeout_s`` a timer reports the timeout (waiting in them, or not even there) and ends the process: a hung NCCL
+    kernel never returns control to this thread."""
     import torch.distributed as dist
 
+    # Whether this rank reached the collectives: on NCCL the calls return at once and the wait is in the copy back,
+    # so the flag tells; on gloo the wait is inside the call, and the main thread's frame tells (a rank stuck before
+    # it, in Python, shows there too).
+    in_collective = threading.Event()
     main = threading.get_ident()
 
     def expire() -> None:
-        waiting = _in_collective(main)
+        waiting = in_collective.is_set() and (dist.get_backend() == "nccl" or _in_collective(main))
         where = "waiting for the other ranks in it" if waiting else "not even in the collective: busy elsewhere"
         message = (f"ProbeFailed: the start-up all-reduce over {world_size} ranks did not finish within "
                    f"{timeout_s:g}s on rank {rank} ({device}), {where}")
@@ -270,13 +283,23 @@ def _probe(rank: int, world_size: int, device: torch.device, report: _StartRepor
     t0 = time.perf_counter()
     try:
         t = probe_tensor(rank, world_size, device)
+        # every pair too: one all-reduce uses only ring neighbours (or NVLS), the sequence-parallel all-to-alls all
+        sent = pair_probe_tensor(rank, world_size, device)
+        exchanged = torch.empty_like(sent)
+        in_collective.set()
         dist.all_reduce(t)
-        result = t.cpu()
+        dist.all_to_all_single(exchanged, sent)
+        result, received = t.cpu(), exchanged.cpu()
+        in_collective.clear()
     except Exception as exc:  # noqa: BLE001 - the backend's own error, reported as the probe's
         raise ProbeFailed(f"the start-up all-reduce over {world_size} ranks raised on rank {rank} ({device}): "
                           f"{type(exc).__name__}: {exc}", "error") from exc
     finally:
         timer.cancel()
+    expected = torch.tensor([[j * world_size + rank + 1] for j in range(world_size)], dtype=received.dtype)
+    if bad := [j for j in range(world_size) if not bool((received[j] == expected[j]).all())]:
+        raise ProbeFailed(f"the start-up all-to-all over {world_size} ranks returned wrong values on rank {rank} "
+                          f"({device}) from rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}", "wrong", bad)
     seconds = time.perf_counter() - t0
     bad = probe_wrong_rows(result)
     if bad:
@@ -321,7 +344,7 @@ def _init_context(args: argparse.Namespace, report: _StartReport) -> tuple[RankC
     for module in args.imports:
         importlib.import_module(module)
     return RankContext(args.rank, args.world_size, args.device, device, args.backend, dist.group.WORLD, mesh,
-                       control=control, cancel_flag=cancel_flag), probe_s
+                       control=control, cancel_flag=cancel_flag, collective_timeout=timeout), probe_s
 
 
 def _normalize(result: OpResult) -> tuple[dict, Tensors]:

@@ -84,7 +84,8 @@ def load(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     factory = partial(import_path(payload["factory"]), **payload.get("factory_kwargs", {}))
     param_dtype = compute_dtype_for(ctx.torch_device, DTYPES[payload.get("param_dtype")])
     model = build_meta(factory)
-    layouts = parallelize(model, ctx.mesh, payload.get("sp_degree", 1))   # before FSDP renames the class
+    layouts = parallelize(model, ctx.mesh, payload.get("sp_degree", 1),   # before FSDP renames the class
+                          timeout=ctx.collective_timeout)
     checkpoint = payload["checkpoint"]
     gguf = is_gguf(checkpoint)
     if gguf:   # its quantized weights become GGUFWeights before FSDP shards them
@@ -225,6 +226,9 @@ def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
     reset_after_failed_forward(entry["model"])
     entry["cache"].clear()
     if ctx.torch_device.type == "cuda":
+        # The dropped all-gather buffers may still be written by NCCL on its stream, or read by a copy-out: the
+        # reset's waits are GPU-side, and empty_cache() with expandable segments unmaps freed pages at once.
+        torch.cuda.synchronize(ctx.torch_device)
         torch.cuda.empty_cache()
 
 
