@@ -85,7 +85,7 @@ def test_the_plan_node_takes_both_experts_and_shows_its_decision(server: ComfySe
     assert {p["role"]: p["experts"] for p in plan["placements"]} == {"dit": "one_at_a_time",
                                                                      "dit_low_noise": "one_at_a_time"}
     assert "dit_low_noise: fsdp on cuda:0, cuda:1" in text and "DiT shard (1 expert at a time)" in text
-    assert "both experts resident would need 24.4 GiB per rank" in text and "~7.1 s at an assumed 2 GB/s" in text
+    assert "both experts resident would need 24.8 GiB per rank" in text and "~7.1 s at an assumed 2 GB/s" in text
     del inputs["dit_low_noise"]
     out = run(server, {"plan": {"class_type": "MgpuPlan", "inputs": inputs}})["outputs"]["plan"]
     assert [(p["role"], p["experts"]) for p in out["mgpu_plan"][0]["placements"]] == [("dit", None)]
