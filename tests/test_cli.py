@@ -220,7 +220,7 @@ def test_plan_example_plans_full_size_models_without_their_files(tmp_path, name,
     temporary folder and removed, planned for two 24 GiB GPUs at their templates' size."""
     r = mgpu("plan", "--example", name, env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"example: ") and "devices 2x24GiB,cpu=64GiB" in r.stdout.splitlines()[0]
+    assert r.stdout.startswith("example: ") and "devices 2x24GiB,cpu=64GiB" in r.stdout.splitlines()[0]
     assert says in r.stdout, r.stdout
     assert not list(tmp_path.iterdir())
     r = mgpu("plan", "--example", name, "--devices", "2x80GiB,cpu=64GiB", "--frames", "33", "--json")

@@ -6,7 +6,6 @@ multi-GPU plans are made for simulated devices (the Plan node's devices spec).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
