@@ -236,12 +236,7 @@ def test_component_size_round_trips_through_json(tmp_path):
 
 # --------------------------------------------------------------- LTX-2's text encoder: Gemma + its checkpoint's parts
 
-def ltx2_checkpoint(dit: L.Layout, gemma_hidden: int, gemma_layers: int, caption: int) -> L.Layout:
-    """An LTX-2 checkpoint as Lightricks ship it: the DiT under model.diffusion_model. (``dit``) and the text projection
-    ComfyUI's LTX-2 text encoder loads from it (``aggregate_embed``: every Gemma layer's output and the embeddings,
-    hidden x (layers + 1), to the caption width, without bias). The real file also holds VAEs, under vae. etc."""
-    width = gemma_hidden * (gemma_layers + 1)
-    return {**dit, LTX2_TEXT_PROJECTION + "aggregate_embed.weight": ((caption, width), "BF16")}
+ltx2_checkpoint = L.ltx2_checkpoint
 
 
 def test_an_ltx2_text_encoder_is_planned_with_the_projection_its_checkpoint_holds(tmp_path):

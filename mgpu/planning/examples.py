@@ -46,7 +46,7 @@ EXAMPLES = {
          "vae": ("wan_2.1_vae.safetensors", L.wan_vae)}, 1280, 720, 81),
     "ltx2-19b": Example(
         "LTX-2 19B (run as fp8) + Gemma 3 12B, 1280x720, 121 frames",
-        {"dit": ("ltx-2-19b-dev.safetensors", L.ltx2_19b),
+        {"dit": ("ltx-2-19b-dev.safetensors", L.ltx2_19b_file),
          "text_encoder": ("gemma_3_12B_it.safetensors", lambda: L.gemma3_12b("comfy"))}, 1280, 720, 121,
         dit_weight_dtype="fp8_e4m3fn"),
 }

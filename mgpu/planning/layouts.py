@@ -223,6 +223,19 @@ def ltx2_19b(dtype: str = "BF16", prefix: str = "model.diffusion_model.") -> Lay
     return ltx2_av_dit(dtype=dtype, prefix=prefix)
 
 
+def ltx2_checkpoint(dit: Layout, gemma_hidden: int, gemma_layers: int, caption: int) -> Layout:
+    """An LTX-2 checkpoint as Lightricks ship it: the DiT under model.diffusion_model. (``dit``) and the text projection
+    ComfyUI's LTX-2 text encoder loads from it (``aggregate_embed``: every Gemma layer's output and the embeddings,
+    hidden x (layers + 1), to the caption width, without bias). The real file also holds VAEs, under vae. etc."""
+    width = gemma_hidden * (gemma_layers + 1)
+    return {**dit, "text_embedding_projection.aggregate_embed.weight": ((caption, width), "BF16")}
+
+
+def ltx2_19b_file() -> Layout:
+    """``ltx-2-19b-dev.safetensors``: the 19B DiT, Gemma 3 12B's text projection (3840 x 48 layers), the video VAE."""
+    return {**ltx2_checkpoint(ltx2_19b(), 3840, 48, 3840), **ltxv_vae(prefix="vae.")}
+
+
 # The tiny LTX-2 below is not ComfyUI's default shape, so its file says so in the metadata ``config`` ComfyUI 0.33's
 # detection reads (comfy/model_detection.py: ``{"transformer": {...}}``), as the real files do.
 LTX2_TINY = dict(heads=4, head_dim=16, audio_heads=4, audio_head_dim=8, layers=3, caption_ch=48, connector_heads=3,
