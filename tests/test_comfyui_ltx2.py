@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 from comfy_checkpoints import write_tiny_ltx2
-from comfyui_env import ComfyServer, find_comfyui
+from comfyui_env import ComfyServer, PromptRejected, find_comfyui
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_comfyui_fsdp import _conditioning, error_of, latents, max_diff, ranks_of, run
+from test_comfyui_fsdp import _conditioning, latents, max_diff, ranks_of, run
 from test_example_workflows import write_tiny_ltx2_checkpoint
 
 import ckpt_layouts as L
@@ -130,9 +130,11 @@ def test_sharded_ltx2_matches_stock_on_both_streams(server: ComfyServer) -> None
                 "seed": 1, "steps": 1, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
             prompt["save"] = {"class_type": "SaveLatent", "inputs": {"samples": ["sample", 0],
                                                                       "filename_prefix": "ltx2/refused"}}
-            error = error_of(run(server, prompt, ok=False))
-            assert error["node_type"] == "MgpuLoadDiffusionModel", error
-            message = error["exception_message"]
+            with pytest.raises(PromptRejected) as info:   # read from the header when the prompt is queued
+                server.post_prompt(prompt)
+            errors = info.value.body["node_errors"]["unet"]
+            assert errors["class_type"] == "MgpuLoadDiffusionModel", errors
+            message = "\n".join(e.get("details", "") for e in errors["errors"])
             assert LTX2 in message and "is an LTX-2 diffusion model (audio + video)" in message, message
             assert "has no LTX-2" in message and "as LTX-Video" in message and "Update ComfyUI" in message, message
         return

@@ -274,8 +274,10 @@ def check_dynamic_vram(_folder: str) -> dict:
     comfy-aimdo does not start without a GPU, so that state is attached as handles that refuse to be copied, where
     ModelPatcherDynamic puts it. The copies for the other devices must leave it behind, decode with their own
     weights and give VAE Decode (Tiled)'s result."""
-    import comfy.memory_management
-
+    try:
+        import comfy.memory_management
+    except ImportError:   # ComfyUI 0.3.x
+        return {"applies": False}
     if not hasattr(comfy.memory_management, "aimdo_enabled"):
         return {"applies": False}
     comfy.memory_management.aimdo_enabled = True
