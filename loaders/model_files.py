@@ -159,7 +159,7 @@ def plan_devices(request: PlanRequest, live: Callable[[], list[Device]] | None =
     return inventory(request.devices)
 
 
-def _size(role: str, path: str) -> ComponentSize:
+def component_size(role: str, path: str) -> ComponentSize:
     """The component's size; in an all-in-one checkpoint (DiT + VAE), the part the role names."""
     role = "dit" if role in EXPERT_ROLES else role
     size = size_component(path)
@@ -186,7 +186,7 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
             raise SizingError(f"{role}: {name!r} is not in ComfyUI's {folder} folder; put the file there and refresh "
                               "the node list (press r in the ComfyUI page), or pick another")
         dtype = None if role not in EXPERT_ROLES or request.dit_weight_dtype == "default" else request.dit_weight_dtype
-        components.append(Component(role, _size(role, path), dtype))
+        components.append(Component(role, component_size(role, path), dtype))
     workload = Workload(width=request.width, height=request.height, frames=request.frames, batch=request.batch,
                         cfg=request.cfg)
     dits = [c.size.path for c in components if c.role in EXPERT_ROLES]   # their loaders replace the loaded copies
