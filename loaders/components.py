@@ -136,7 +136,8 @@ def _load_split(paths: list[str], clip_type: str, devices: list[str], plan):
 def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None, split_spec: str = ""):
     """A ComfyUI CLIP on the chosen device, or with its layers split over the devices of ``split_spec`` (when not
     empty; it replaces ``device``) or of a plan that splits it (``device`` "auto"); ``names`` are files in
-    text_encoders (two for dual encoders). Its encodes are cached by prompt (``loaders.conditioning_cache``)."""
+    text_encoders (two for dual encoders). Its encodes are cached by prompt (``loaders.conditioning_cache``); an
+    encoder this process loaded before comes back deferred, its weights loaded at the first encode the cache lacks."""
     import comfy.sd
     import folder_paths
     import torch
@@ -153,14 +154,21 @@ def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None, 
     if choice is None or choice.strategy == SPLIT:
         devices = split_devices(split_spec, plan) if choice is None else list(choice.devices)
         log.info("%s: %s", node, choice.reason if choice else f"split over {', '.join(devices)}, as chosen")
-        clip = _load_split(paths, clip_type, devices, plan)
+
+        def load():
+            return _load_split(paths, clip_type, devices, plan)
     else:
-        load = _single_device("text_encoder", choice)
-        devices = [str(load)]
-        options = {"load_device": load, "offload_device": torch.device("cpu")}
-        clip = comfy.sd.load_clip(ckpt_paths=paths, embedding_directory=folder_paths.get_folder_paths("embeddings"),
-                                  clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options)
-    return conditioning_cache.cached(clip, conditioning_cache.encoder_key(paths, clip_type, devices))
+        load_device = _single_device("text_encoder", choice)
+        devices = [str(load_device)]
+
+        def load():
+            options = {"load_device": load_device, "offload_device": torch.device("cpu")}
+            return comfy.sd.load_clip(ckpt_paths=paths, embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                                      clip_type=comfy.sd.CLIPType[clip_type.upper()], model_options=options)
+    key = conditioning_cache.encoder_key(paths, clip_type, devices)
+    # loaded before in this process: its weights load only if an encode misses the cache (or a node needs them)
+    clip = conditioning_cache.deferred(key, load, node)
+    return clip if clip is not None else conditioning_cache.cached(load(), key)
 
 
 def vae_state_dict(path: str) -> tuple[dict, dict | None]:

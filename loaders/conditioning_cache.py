@@ -16,6 +16,12 @@ Object patches of plain values (ComfyUI 0.33 sets ``manual_cast_dtype``) are par
 hooks, weight wrappers or other object patches are not cached (their output depends on more than the key holds).
 Entries are CPU copies, least recently used dropped first beyond MGPU_CONDITIONING_CACHE_MB (default 1024; 0 turns
 the cache off); a hit returns fresh copies on the devices the encoder gave.
+
+A hit loads nothing, also when ComfyUI runs the loader node again (its plan or another input changed, which drops the
+CLIP it returned before): an encoder this process has loaded before comes back ``deferred``, ComfyUI's CLIP (this
+subclass) with its tokenizer and the state a fresh load has, whose weights load at the first use that needs them: an
+encode not in the cache, ``clone()`` (LoRA loaders, CLIPSetLastLayer), anything reading its patcher or model. Keeping
+the old CLIP instead would hold the encoder's GBs in host RAM.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,18 +149,52 @@ def encoder_key(paths: list[str], clip_type: str, devices: list[str]) -> tuple:
     return files, clip_type, tuple(devices)
 
 
-def clip_key(clip, tokens: Any, return_pooled: Any, return_dict: bool) -> str | None:
-    """The cache key of one encode, or None when this CLIP's output depends on more than the key holds."""
-    patcher = clip.patcher
-    if (patcher.forced_hooks is not None or getattr(clip, "apply_hooks_to_conds", None)
-            or patcher.weight_wrapper_patches or patcher.hook_patches):
+def patcher_facts(patcher) -> str | None:
+    """What of an encoder's patcher its output depends on, hashed: the weight patches (``patches_uuid``) and object
+    patches of plain values; None when it carries hooks, weight wrappers or other object patches."""
+    if patcher.forced_hooks is not None or patcher.weight_wrapper_patches or patcher.hook_patches:
         return None
-    patches = str(patcher.patches_uuid) if patcher.patches else None
     try:   # object patches of plain values (ComfyUI 0.33's manual_cast_dtype) are part of the key; others bypass
-        return digest([list(clip.mgpu_encoder_key), clip.layer_idx, return_pooled, return_dict, patches,
-                       patcher.object_patches, tokens])
+        return digest([str(patcher.patches_uuid) if patcher.patches else None, patcher.object_patches])
     except Uncacheable:
         return None
+
+
+def clip_key(clip, tokens: Any, return_pooled: Any, return_dict: bool) -> str | None:
+    """The cache key of one encode, or None when this CLIP's output depends on more than the key holds. A CLIP whose
+    weights are not loaded yet (``deferred``) has the patcher of a fresh load, whose facts it carries."""
+    state = vars(clip)
+    if state.get("apply_hooks_to_conds"):
+        return None
+    facts = patcher_facts(clip.patcher) if "patcher" in state else state["mgpu_fresh_facts"]
+    if facts is None:
+        return None
+    try:
+        return digest([list(clip.mgpu_encoder_key), clip.layer_idx, return_pooled, return_dict, facts, tokens])
+    except Uncacheable:
+        return None
+
+
+# What a freshly loaded encoder holds that a cache lookup needs and that is no weight (its tokenizer, shared as
+# ComfyUI's clone() shares it), and its patcher's facts, for the last few encoders loaded, by encoder key.
+_WITHOUT_WEIGHTS = ("tokenizer", "tokenizer_options", "layer_idx", "use_clip_schedule", "apply_hooks_to_conds")
+_FRESH_ENCODERS = 8
+_fresh: OrderedDict[tuple, tuple[dict, str]] = OrderedDict()
+_fresh_lock = threading.Lock()
+
+
+def _remember(clip, key: tuple) -> None:
+    state = vars(clip)
+    if not all(a in state for a in _WITHOUT_WEIGHTS):   # a CLIP of another layout: never deferred
+        return
+    facts = patcher_facts(clip.patcher)
+    if facts is None:
+        return
+    with _fresh_lock:
+        _fresh[key] = ({a: state[a] for a in _WITHOUT_WEIGHTS}, facts)
+        _fresh.move_to_end(key)
+        while len(_fresh) > _FRESH_ENCODERS:
+            _fresh.popitem(last=False)
 
 
 @functools.cache
@@ -163,17 +205,65 @@ def cached_clip_class() -> type:
     class CachedCLIP(comfy.sd.CLIP):
         mgpu_encoder_key: tuple
 
+        def __getattr__(self, name):
+            # Only for what the instance lacks: the weights (cond_stage_model, patcher) of a ``deferred`` CLIP, which
+            # load now. ComfyUI 0.33's bookkeeping of the models a prompt uses (comfy/model_patcher.py:
+            # PromptModelTracker.add, is_model_patcher_output) only looks for them: an encoder not loaded has none.
+            state = vars(self)
+            if "_mgpu_load" not in state or name.startswith("__") or \
+                    sys._getframe(1).f_globals.get("__name__") == "comfy.model_patcher":
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            self.mgpu_load_now()
+            return getattr(self, name)
+
+        def mgpu_load_now(self) -> None:
+            """Load the weights of a ``deferred`` CLIP (nothing if loaded); what was set on it before stays."""
+            state = vars(self)
+            load = state.pop("_mgpu_load", None)
+            if load is None:
+                return
+            try:
+                clip = load()
+            except BaseException:
+                state["_mgpu_load"] = load   # a later use tries again
+                raise
+            _remember(clip, self.mgpu_encoder_key)
+            for k, v in vars(clip).items():
+                state.setdefault(k, v)
+            del state["mgpu_fresh_facts"]
+
+        if hasattr(comfy.sd.CLIP, "is_dynamic"):   # ComfyUI 0.33
+            def is_dynamic(self):
+                # its RAM cache asks every output before each prompt (comfy_execution/caching.py): an encoder not
+                # loaded holds no memory to keep
+                return "_mgpu_load" not in vars(self) and super().is_dynamic()
+
         def clone(self, *args, **kwargs):
             n = super().clone(*args, **kwargs)
             n.__class__ = type(self)
             n.mgpu_encoder_key = self.mgpu_encoder_key
             return n
 
+        def encode_from_tokens_scheduled(self, tokens, unprojected=False, add_dict: dict | None = None,
+                                         show_pbar=True, **kwargs):
+            add_dict = {} if add_dict is None else add_dict
+            if "_mgpu_load" not in vars(self) or kwargs:
+                return super().encode_from_tokens_scheduled(tokens, unprojected=unprojected, add_dict=add_dict,
+                                                            show_pbar=show_pbar, **kwargs)
+            # Weights not loaded: a fresh encoder has no hooks (patcher.forced_hooks is None), for which ComfyUI's
+            # method (comfy/sd.py, 0.3.64 and 0.33) runs these lines; they read no weights on a cache hit.
+            pooled_dict = self.encode_from_tokens(tokens, return_pooled="unprojected" if unprojected else True,
+                                                  return_dict=True)
+            cond = pooled_dict.pop("cond")
+            pooled_dict.update(add_dict)
+            return [[cond, pooled_dict]]
+
         def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
             key = clip_key(self, tokens, return_pooled, return_dict) if CACHE.max_bytes > 0 else None
             if key is not None and (hit := CACHE.get(key)) is not None:
                 log.info("MGPU: text encoder output from the cache (same text, encoder and patches)")
                 return hit
+            self.mgpu_load_now()
             out = super().encode_from_tokens(tokens, return_pooled=return_pooled, return_dict=return_dict)
             if key is not None:
                 CACHE.put(key, out)
@@ -183,7 +273,29 @@ def cached_clip_class() -> type:
 
 
 def cached(clip, key: tuple):
-    """``clip`` itself, its encodes cached under the encoder ``key`` (``encoder_key``)."""
+    """``clip`` itself, freshly loaded, its encodes cached under the encoder ``key`` (``encoder_key``)."""
+    _remember(clip, key)
     clip.__class__ = cached_clip_class()
     clip.mgpu_encoder_key = key
+    return clip
+
+
+def deferred(key: tuple, load: Callable[[], Any], what: str):
+    """A CachedCLIP of the encoder ``key`` whose weights ``load()`` (a fresh ComfyUI CLIP) loads at their first use,
+    if this process loaded that encoder before (its tokenizer and fresh state are known) and the cache is on; else
+    None (load it now)."""
+    with _fresh_lock:
+        known = _fresh.get(key)
+    if known is None or CACHE.max_bytes <= 0:
+        return None
+    attrs, facts = known
+
+    def load_now():
+        log.info("%s: loading the encoder now: this encode is not in the cache", what)
+        return load()
+
+    clip = cached_clip_class()(no_init=True)
+    vars(clip).update({k: v.copy() if isinstance(v, dict) else v for k, v in attrs.items()},
+                      mgpu_encoder_key=key, mgpu_fresh_facts=facts, _mgpu_load=load_now)
+    log.info("%s: encoder loaded on first use (an encode not in the cache, or a node that needs its weights)", what)
     return clip

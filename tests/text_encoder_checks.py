@@ -232,6 +232,89 @@ def check_cache_hits_and_misses(folder: str) -> dict:
             "class_after_clone": type(skip).__name__, "patcher_after_lora": type(_lora(clip).patcher).__name__}
 
 
+def check_deferred_clip(folder: str) -> dict:
+    """MGPU Load Text Encoder run again for an encoder it loaded before returns ``conditioning_cache.deferred``: a
+    CLIP that loads nothing for a cached text, and loads its weights for anything that needs them (another text,
+    LoraLoader, CLIPSetLastLayer, ComfyUI's clip_layer without a clone, a split encoder); every output equals the
+    same encoder loaded at once (stock comfy.sd.CLIP, no cache). ComfyUI 0.33's bookkeeping of a prompt's models
+    (PromptModelTracker, its RAM cache's is_dynamic) loads nothing."""
+    import comfy.model_patcher
+    import comfy.sd
+    import nodes
+
+    from loaders import conditioning_cache as cc
+
+    loads: list[str] = []
+    fail = []
+
+    def loader(split_it: bool = False):
+        def load():
+            if fail:
+                raise RuntimeError(fail.pop())
+            loads.append("split" if split_it else "one")
+            clip = umt5_clip(seed=4)
+            return split(clip) if split_it else clip
+        return load
+
+    key, split_key = ((f"{folder}/te", 1, 1), "wan", ("cpu",)), ((f"{folder}/te", 1, 1), "wan", ("cpu", "cpu"))
+    one = umt5_clip(seed=4)   # the reference: ComfyUI's CLIP as loaded, never cached
+    facts: dict = {"before any load": cc.deferred(key, loader(), "test") is None}
+    eager = cc.cached(loader()(), key)
+    facts["eager equal"] = torch.equal(encode(eager, "a red fox"), encode(one, "a red fox"))
+    loads.clear()
+
+    def deferred():
+        clip = cc.deferred(key, loader(), "test")
+        assert clip is not None
+        return clip
+
+    hit = deferred()
+    facts["is a comfy CLIP"] = isinstance(hit, comfy.sd.CLIP)
+    tracker = getattr(comfy.model_patcher, "PromptModelTracker", None)
+    if tracker is not None:   # ComfyUI 0.33
+        tracker().add([hit, (hit,)])
+        facts["model patcher output"] = comfy.model_patcher.is_model_patcher_output(hit)
+        facts["dynamic"] = hit.is_dynamic()
+    facts["hit equal"] = torch.equal(encode(hit, "a red fox"), encode(one, "a red fox"))
+    facts["loads after a hit"] = list(loads)
+    facts["miss equal"] = torch.equal(encode(hit, "a blue fox"), encode(one, "a blue fox"))
+    facts["loads after a miss"] = list(loads)
+    facts["patcher after the miss"] = type(hit.patcher).__name__
+
+    loads.clear()
+    facts["lora equal"] = torch.equal(encode(_lora(deferred()), "a red fox"), encode(_lora(one), "a red fox"))
+    ref_skip = nodes.CLIPSetLastLayer().set_last_layer(one, -2)[0]
+    skipped = nodes.CLIPSetLastLayer().set_last_layer(deferred(), -2)[0]
+    facts["clip skip equal"] = torch.equal(encode(skipped, "a red fox"), encode(ref_skip, "a red fox"))
+    own_layer = deferred()
+    own_layer.clip_layer(-2)   # set before the weights load: it stays (a text not encoded at -2 yet: a miss)
+    facts["clip_layer kept"] = torch.equal(encode(own_layer, "a brown fox"), encode(ref_skip, "a brown fox"))
+    facts["loads for lora, skip, clip_layer"] = list(loads)
+
+    loads.clear()
+    fail.append("no memory")
+    retried = deferred()
+    try:
+        encode(retried, "a grey fox")
+        facts["failed load"] = None
+    except RuntimeError as e:
+        facts["failed load"] = str(e)
+    facts["after a failed load"] = torch.equal(encode(retried, "a grey fox"), encode(one, "a grey fox"))
+
+    cc.cached(loader(split_it=True)(), split_key)
+    encode(cc.deferred(split_key, loader(split_it=True), "test"), "a red fox")
+    parts = cc.deferred(split_key, loader(split_it=True), "test")
+    loads.clear()
+    facts["split miss equal"] = torch.equal(encode(parts, "a white fox"), encode(one, "a white fox"))
+    facts["split patcher"] = type(parts.patcher).__name__
+    facts["split loads"] = list(loads)
+
+    max_bytes, cc.CACHE.max_bytes = cc.CACHE.max_bytes, 0
+    facts["cache off"] = cc.deferred(key, loader(), "test") is None
+    cc.CACHE.max_bytes = max_bytes
+    return facts
+
+
 def check_comfyui_keeps_the_split_placed(folder: str) -> dict:
     """A split encoder through encode, clone, LoRA and a KSampler run that loads a DiT: ComfyUI never moves the
     encoder as a whole (only its units move, onto their devices); unloading (Unload models, a device's share, the
