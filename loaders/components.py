@@ -16,7 +16,7 @@ import logging
 from mgpu.errors import MgpuError, ShardingError
 from mgpu.planning.devices import gpus
 
-from .model_files import VAE_PREFIX_IN_CHECKPOINT
+from .model_files import VAE_PREFIX_IN_CHECKPOINT, folder_path
 from .placement import AUTO, CPU, NODE_OF_ROLE, Choice, check_plan_file, live_devices, resolve
 
 log = logging.getLogger("mgpu")
@@ -32,12 +32,12 @@ def clip_types() -> list[str]:
 
 
 def _path(role: str, folder: str, name: str) -> str:
-    import folder_paths
-
-    path = folder_paths.get_full_path(folder, name)
+    """The file from ``folder``, else from checkpoints (where ComfyUI's own templates keep all-in-one files such as
+    LTX-2's: ``model_files.folder_path``)."""
+    path = folder_path(folder, name)
     if path is None:
-        raise MgpuError(f"{NODE_OF_ROLE[role]}: {name!r} is not in ComfyUI's {folder} folder; put the file there "
-                        "and refresh (press r in the ComfyUI page), or pick another")
+        raise MgpuError(f"{NODE_OF_ROLE[role]}: {name!r} is not in ComfyUI's {folder} folder nor in checkpoints; put "
+                        "the file there and refresh (press r in the ComfyUI page), or pick another")
     return path
 
 

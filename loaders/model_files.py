@@ -197,16 +197,44 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
 
 
 def comfy_folders() -> tuple[ListFiles, FullPath]:
-    """ComfyUI's folder lookups (only inside ComfyUI); the DiT's folder lists .gguf files too (``dit_names``)."""
-    import folder_paths
+    """ComfyUI's folder lookups (only inside ComfyUI): a model folder lists checkpoints' files too
+    (``folder_names``), the DiT's .gguf files too (``dit_names``)."""
 
     def list_files(folder: str) -> list[str]:
-        return dit_names() if folder == FOLDERS["dit"] else folder_paths.get_filename_list(folder)
+        return dit_names() if folder == FOLDERS["dit"] else folder_names(folder)
 
     def full_path(folder: str, name: str) -> str | None:
-        return dit_path(name) if folder == FOLDERS["dit"] else folder_paths.get_full_path(folder, name)
+        return dit_path(name) if folder == FOLDERS["dit"] else folder_path(folder, name)
 
     return list_files, full_path
+
+
+# ComfyUI's own templates keep an all-in-one file in checkpoints, where its CheckpointLoaderSimple,
+# LTXAVTextEncoderLoader (Gemma's text projection) and LTXVAudioVAELoader read it: LTX-2 (DiT, video and audio VAE,
+# text projection in one file) and LTX-Video. Every MGPU loader and MGPU Plan offer that folder's files beside their
+# own folder's, so one copy serves them all, without links; a name in both is their own folder's file.
+CHECKPOINTS = "checkpoints"
+
+
+def folder_names(folder: str) -> list[str]:
+    """The files ComfyUI lists in ``folder`` and in checkpoints, sorted, each name once."""
+    import folder_paths
+
+    names = set(folder_paths.get_filename_list(folder))
+    if folder != CHECKPOINTS and CHECKPOINTS in folder_paths.folder_names_and_paths:
+        names.update(folder_paths.get_filename_list(CHECKPOINTS))
+    return sorted(names)
+
+
+def folder_path(folder: str, name: str) -> str | None:
+    """The file behind a name ``folder_names`` lists: ComfyUI's lookup in ``folder``, then in checkpoints; None if
+    neither has it."""
+    import folder_paths
+
+    for key in (folder, CHECKPOINTS):
+        if key in folder_paths.folder_names_and_paths and (path := folder_paths.get_full_path(key, name)):
+            return path
+    return None
 
 
 # Where .gguf diffusion models are found: ComfyUI's diffusion_models folders (models/unet included), and the folder
@@ -231,19 +259,18 @@ def gguf_names() -> list[str]:
 
 
 def dit_names() -> list[str]:
-    """What MGPU Load Diffusion Model and MGPU Plan offer: ComfyUI's diffusion_models files plus the .gguf ones."""
-    import folder_paths
-
-    return sorted(set(folder_paths.get_filename_list(FOLDERS["dit"])) | set(gguf_names()))
+    """What MGPU Load Diffusion Model and MGPU Plan offer: ComfyUI's diffusion_models and checkpoints files
+    (``folder_names``) plus the .gguf ones."""
+    return sorted(set(folder_names(FOLDERS["dit"])) | set(gguf_names()))
 
 
 def dit_path(name: str) -> str | None:
     """The file behind a name ``dit_names`` lists, None if there is none: ComfyUI's lookup in diffusion_models,
-    then (.gguf names only) in ComfyUI-GGUF's folder."""
+    then (.gguf names only) in ComfyUI-GGUF's folder, then in checkpoints."""
     import folder_paths
 
     keys = GGUF_FOLDERS if name.lower().endswith(".gguf") else GGUF_FOLDERS[:1]
-    for key in keys:
+    for key in (*keys, CHECKPOINTS):
         if key in folder_paths.folder_names_and_paths and (path := folder_paths.get_full_path(key, name)):
             return path
     return None

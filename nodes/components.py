@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import folder_paths
 from comfy_api.latest import io
 
 from ..loaders import components, placement
-from ..loaders.model_files import FOLDERS, NONE
+from ..loaders.model_files import FOLDERS, NONE, folder_names
 from .plan import PlanType
 
 _DEVICE_TIP = ("auto: where the connected MGPU Plan puts it, else the GPU with most free memory, else the cpu. "
@@ -31,7 +30,7 @@ def _device_input() -> io.Combo.Input:
 class MgpuLoadTextEncoder(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        names = folder_paths.get_filename_list(FOLDERS["text_encoder"])
+        names = folder_names(FOLDERS["text_encoder"])   # checkpoints' too: LTX-2's text projection is there
         return io.Schema(
             node_id="MgpuLoadTextEncoder",
             display_name="MGPU Load Text Encoder",
@@ -75,7 +74,7 @@ class MgpuLoadVAE(io.ComfyNode):
             category="MGPU",
             description="ComfyUI's VAE loader with a device: decode on a GPU the diffusion model leaves free.",
             inputs=[
-                io.Combo.Input("vae_name", options=folder_paths.get_filename_list(FOLDERS["vae"])),
+                io.Combo.Input("vae_name", options=folder_names(FOLDERS["vae"])),   # and checkpoints' (all-in-one)
                 _device_input(),
                 PlanType.Input("plan", optional=True),
             ],

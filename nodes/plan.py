@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import folder_paths
 from comfy_api.latest import io
 
 from mgpu.errors import PlanError, SizingError
@@ -14,7 +13,7 @@ PlanType = io.Custom("MGPU_PLAN")
 
 
 def _with_none(folder: str) -> list[str]:
-    return [mf.NONE, *folder_paths.get_filename_list(folder)]
+    return [mf.NONE, *mf.folder_names(folder)]   # checkpoints' files too (all-in-one files: LTX-2)
 
 
 def _int(name: str, step: int, tooltip: str) -> io.Int.Input:

@@ -16,6 +16,7 @@ latent file of the shape LTXVEmptyLatentAudio makes, so that it needs no audio V
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -273,3 +274,74 @@ def test_mgpu_load_vae_loads_ltx2s_video_and_audio_vaes_on_the_chosen_device(ser
     assert out["save_mgpu_audio"].shape == out["save_stock_audio"].shape and out["save_mgpu_audio"].shape[-1] > 1000
     assert np.array_equal(out["save_mgpu_audio"], out["save_stock_audio"])
     assert server.log()[log_start:].count("MGPU Load VAE: cpu, as chosen") == 2
+
+
+# ------------------------------------------------------------------ the one file where ComfyUI's template puts it
+
+IN_CHECKPOINTS = "mgpu_ltx2_in_checkpoints.safetensors"
+# Every input of the pack's nodes that names a model file (MGPU Plan's, the loaders').
+FILE_INPUTS = {"MgpuPlan": ("dit", "text_encoder", "vae", "dit_low_noise"), "MgpuLoadDiffusionModel": ("unet_name",),
+               "MgpuLoadTextEncoder": ("clip_name", "clip_name2"), "MgpuLoadVAE": ("vae_name",)}
+
+
+def _options(info: dict, node: str, name: str) -> list[str]:
+    spec = info[node]["input"]
+    typ, *rest = spec.get("required", {}).get(name) or spec["optional"][name]
+    return typ if isinstance(typ, list) else (rest[0] if rest else {}).get("options", [])
+
+
+def _queued_errors(server: ComfyServer, prompt: dict) -> dict:
+    with pytest.raises(PromptRejected) as info:
+        server.post_prompt(prompt)
+    return info.value.body["node_errors"]
+
+
+def test_the_ltx2_file_in_checkpoints_alone_serves_every_node(server: ComfyServer) -> None:
+    """ComfyUI's own LTX-2 template keeps the one LTX-2 file (DiT, video and audio VAE, Gemma's text projection) in
+    models/checkpoints, where CheckpointLoaderSimple, LTXAVTextEncoderLoader and LTXVAudioVAELoader read it. Put
+    there alone, with no copy or link in diffusion_models, text_encoders or vae, every MGPU node offers it, the
+    loaders take it when the prompt is queued, and the LTX-2 example runs from it (its file names changed to this
+    one). ComfyUI 0.3.64 has no LTX-2: MGPU Load Diffusion Model refuses the file by name from there too."""
+    from test_example_workflows import _audio_streams, _for_the_run, _run_twin, _video, load, model_files
+
+    checkpoints = server.base_dir / "models" / "checkpoints"   # ComfyUI's own folder under --base-directory
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    path = checkpoints / IN_CHECKPOINTS
+    if not _has_ltx2(server):
+        write_tiny_ltx2(path)
+        prompt = {"unet": {"class_type": "MgpuLoadDiffusionModel", "inputs": {
+            "unet_name": IN_CHECKPOINTS, "weight_dtype": "default", "device": "cpu", "fsdp_ranks": 2}},
+            "show": {"class_type": "PreviewAny", "inputs": {"source": ["unet", 0]}}}
+        message = "\n".join(e.get("details", "") for e in _queued_errors(server, prompt)["unet"]["errors"])
+        assert f"checkpoints/{IN_CHECKPOINTS} is an LTX-2 diffusion model (audio + video)" in message, message
+        assert "has no LTX-2" in message, message
+        return
+    write_tiny_ltx2_checkpoint(path)
+    assert not [f for f in (server.diffusion_models, server.text_encoders, server.vae) if (f / IN_CHECKPOINTS).exists()]
+    info = server.object_info()
+    for node, names in FILE_INPUTS.items():
+        for name in names:
+            assert IN_CHECKPOINTS in _options(info, node, name), (node, name)
+
+    # the text encoder loader (ComfyUI's LTX-2 encoder: Gemma from text_encoders, the projection from this file)
+    (server.text_encoders / "mgpu_gemma_stand_in.safetensors").write_bytes(b"")   # the queue check looks, no more
+    for clip_name2, refused in ((IN_CHECKPOINTS, False), ("mgpu_nowhere.safetensors", True)):
+        prompt = {"te": {"class_type": "MgpuLoadTextEncoder", "inputs": {
+            "clip_name": "mgpu_gemma_stand_in.safetensors", "type": "ltxv", "device": "cpu", "clip_name2": clip_name2}},
+            "enc": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["te", 0]}},   # no text: refused, never run
+            "show": {"class_type": "PreviewAny", "inputs": {"source": ["enc", 0]}}}
+        errors = _queued_errors(server, prompt)
+        assert "enc" in errors and ("te" in errors) == refused, (clip_name2, errors)
+        if refused:
+            assert "'mgpu_nowhere.safetensors' is not in ComfyUI's text_encoders folder nor in checkpoints" in \
+                errors["te"]["errors"][0]["details"], errors
+
+    _, api = load("ltx2_t2v_multi_gpu")
+    (shipped,) = model_files(api)
+    for node in api.values():
+        node["inputs"].update({k: IN_CHECKPOINTS for k, v in node["inputs"].items() if v == shipped})
+    entry = _run_twin(server, _for_the_run(api, 64, 64, 9, text=(48, 1024)))
+    assert _video(server, entry) == (9, 64, 64) and _audio_streams(server, entry) == 1
+    plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
+    assert {p["role"]: (p["family"], os.path.basename(p["file"])) for p in plan["placements"]} == {
+        "dit": ("ltx2-av", IN_CHECKPOINTS), "vae": ("ltxv-vae", IN_CHECKPOINTS)}
