@@ -3,7 +3,11 @@
 The plan sized every device's memory for one workload (frames x height x width, batch, CFG). A sampler fed a bigger
 latent may run out of GPU memory minutes later, or on another machine, with nothing pointing at the cause. A
 DIFFUSION_MODEL wrapper (ComfyUI's own interception point, so single-device and sharded MODELs alike) compares each
-step's tokens x batch with the plan's and logs a warning once per shape.
+step's tokens x batch with the plan's and logs a warning once per shape. A video of another size than planned (the
+latent node not wired to MGPU Plan's width, height, frames and batch outputs, or typed apart) warns too, smaller
+ones included: the plan's devices, split and time estimate were decided for the other size. A smaller batch alone
+does not warn: ComfyUI may run cond and uncond apart. LTX-2 hands its network a list [video, audio]: the video
+stream is the one planned.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from mgpu.planning.sizing import ComponentSize
 log = logging.getLogger("mgpu")
 
 WRAPPER_KEY = "mgpu_plan_check"
+FIX = ("wire the plan's width, height, frames and batch outputs into the latent node, or set the plan's inputs to "
+       "this video, and queue again.")
 
 
 class PlanCheck:
-    """``fn(executor, x, timestep, ...)`` for WrappersMP.DIFFUSION_MODEL: warns when a step exceeds the plan."""
+    """``fn(executor, x, timestep, ...)`` for WrappersMP.DIFFUSION_MODEL: warns when a step differs from the plan."""
 
     def __init__(self, size: ComponentSize, workload: Workload, label: str):
         self.size = size
@@ -37,20 +43,31 @@ class PlanCheck:
 
     def __call__(self, executor, *args, **kwargs):
         x = args[0] if args else None
+        if isinstance(x, (list, tuple)) and x:   # LTX-2: [video, audio]
+            x = x[0]
         shape = tuple(getattr(x, "shape", ()))
         if len(shape) in (4, 5) and shape not in self.warned:
             self.warned.add(shape)
-            tokens = self.tokens(shape)
-            if tokens * shape[0] > self.planned:
-                wl = self.workload
-                log.warning(
-                    "%s: this step's latent %s is %d tokens x batch %d = %d, but the MGPU Plan was made for %dx%dx%d, "
-                    "batch %d%s = %d tokens x batch %d = %d (this is %.1fx that). Its memory estimate for each device no "
-                    "longer holds and a GPU may run out of memory: set the plan's width, height, frames and batch to "
-                    "this video and queue again.", self.label, "x".join(map(str, shape)), tokens, shape[0],
-                    tokens * shape[0], wl.width, wl.height, wl.frames, wl.batch, " with CFG" if wl.cfg else "",
-                    self.planned // wl.dit_batch, wl.dit_batch, self.planned, tokens * shape[0] / self.planned)
+            self.check(shape)
         return executor(*args, **kwargs)
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        wl, tokens = self.workload, self.tokens(shape)
+        per_video = self.planned // wl.dit_batch
+        planned = f"{wl.width}x{wl.height}x{wl.frames}, batch {wl.batch}{' with CFG' if wl.cfg else ''}"
+        if tokens * shape[0] > self.planned:
+            log.warning(
+                "%s: this step's latent %s is %d tokens x batch %d = %d, but the MGPU Plan was made for %s = %d "
+                "tokens x batch %d = %d (this is %.1fx that). Its memory estimate for each device no longer holds "
+                "and a GPU may run out of memory: %s", self.label, "x".join(map(str, shape)), tokens, shape[0],
+                tokens * shape[0], planned, per_video, wl.dit_batch, self.planned, tokens * shape[0] / self.planned,
+                FIX)
+        elif tokens != per_video:
+            log.warning(
+                "%s: this step's latent %s is %d tokens a video, but the MGPU Plan was made for %s = %d tokens a "
+                "video: it placed the models and chose the split for that video, not this one (it reserved more "
+                "memory than this needs, and may use more GPUs than pay): %s", self.label, "x".join(map(str, shape)),
+                tokens, planned, per_video, FIX)
 
 
 def add_plan_check(patcher, size: ComponentSize, plan, label: str):

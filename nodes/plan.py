@@ -21,6 +21,16 @@ def _int(name: str, step: int, tooltip: str) -> io.Int.Input:
     return io.Int.Input(name, default=default, min=low, max=high, step=step, tooltip=tooltip)
 
 
+# The workload the plan was made for, as INT outputs for ComfyUI's own latent nodes (EmptyHunyuanLatentVideo,
+# EmptyLTXVLatentVideo, LTXVEmptyLatentAudio, ...): the size is typed once, in the plan.
+SIZE_OUTPUTS = (
+    ("width", "the plan's width: wire it into the latent node's width"),
+    ("height", "the plan's height: wire it into the latent node's height"),
+    ("frames", "the plan's frames: wire it into the latent node's length (frames_number for LTX-2's audio)"),
+    ("batch", "the plan's batch: wire it into the latent node's batch_size"),
+)
+
+
 class MgpuPlan(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -34,7 +44,8 @@ class MgpuPlan(io.ComfyNode):
                         "size, and shows each device's peak memory and headroom. Loaders set to auto follow it. "
                         "With a second expert (Wan 2.2 A14B: dit is the high-noise one, dit_low_noise the other) "
                         "both experts share the devices: both resident when memory allows, else one at a time, "
-                        "with the cost of each switch.",
+                        "with the cost of each switch. Wire its width, height, frames and batch outputs into the "
+                        "latent node, so the size the plan is made for is the size sampled.",
             is_output_node=True,
             inputs=[
                 io.Combo.Input("dit", options=mf.dit_names(),
@@ -63,7 +74,11 @@ class MgpuPlan(io.ComfyNode):
                                        "MGPU loaders connected to this plan follow its decision: both resident, "
                                        "or one at a time"),
             ],
-            outputs=[PlanType.Output(display_name="plan")],
+            # plan first and the sizes after it, so saved workflows wired to the plan still connect; wire the sizes
+            # into the latent node (width, height, length or frames_number, batch_size) to type them only here
+            outputs=[PlanType.Output(display_name="plan"),
+                     # ids apart from the inputs' (ComfyUI 0.3.64 refuses a shared id); shown as the inputs' names
+                     *(io.Int.Output(f"{name}_out", display_name=name, tooltip=tip) for name, tip in SIZE_OUTPUTS)],
         )
 
     @classmethod
@@ -95,5 +110,6 @@ class MgpuPlan(io.ComfyNode):
         except SizingError as exc:
             raise SizingError(f"MGPU Plan: {exc}") from None
         # The web extension shows "text" in the node and draws "mgpu_chart"; "mgpu_plan" is the whole plan.
-        return io.NodeOutput(plan, ui={"text": [plan.table()], "mgpu_plan": [plan.to_dict()],
-                                       "mgpu_chart": [mf.chart(plan)]})
+        # the sizes as typed: the latent node wired to them samples the video this plan was made for
+        return io.NodeOutput(plan, width, height, frames, batch,
+                             ui={"text": [plan.table()], "mgpu_plan": [plan.to_dict()], "mgpu_chart": [mf.chart(plan)]})

@@ -46,13 +46,17 @@ def load(example: str) -> tuple[dict, dict]:
 
 
 def widget_values(node: dict) -> dict[str, Any]:
-    """A UI node's widget values by input name (the frontend stores control_after_generate right after a seed)."""
-    names = [i["name"] for i in node.get("inputs", []) if "widget" in i]
+    """A UI node's widget values by input name (the frontend stores control_after_generate right after a seed).
+
+    A widget input with a link (the latent's width wired from MGPU Plan) keeps its stored value in widgets_values,
+    but the link is what runs: it is left out here, as ComfyUI's API export leaves it out."""
+    inputs = [i for i in node.get("inputs", []) if "widget" in i]
+    names = [i["name"] for i in inputs]
     values = list(node.get("widgets_values") or [])
     for seed in ("seed", "noise_seed"):   # noise_seed: KSamplerAdvanced's
         if seed in names:
             values.pop(names.index(seed) + 1)
-    return dict(zip(names, values))
+    return {i["name"]: v for i, v in zip(inputs, values) if i.get("link") is None}
 
 
 def file_widgets(node: dict) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from comfy_checkpoints import random_state_dict, save_checkpoint, write_tiny_wan21_t2v, write_wan21_vae
 from comfyui_env import ComfyServer, PromptRejected
+from safetensors.torch import load_file
 
 from mgpu.planning.partition import Plan
 
@@ -74,7 +75,10 @@ def test_nodes_are_listed_with_stable_device_values(server: ComfyServer):
     info = server.object_info()
     for name in ("MgpuPlan", "MgpuLoadTextEncoder", "MgpuLoadVAE"):
         assert info[name]["category"] == "MGPU", info[name]
-    assert info["MgpuPlan"]["output"] == ["MGPU_PLAN"] and info["MgpuPlan"]["output_node"] is True
+    # the plan first (saved workflows connect by slot), then the size it was made for, for the latent node
+    assert info["MgpuPlan"]["output"] == ["MGPU_PLAN", "INT", "INT", "INT", "INT"]
+    assert info["MgpuPlan"]["output_name"] == ["plan", "width", "height", "frames", "batch"]
+    assert info["MgpuPlan"]["output_node"] is True
     for name in ("MgpuLoadTextEncoder", "MgpuLoadVAE"):
         device = info[name]["input"]["required"]["device"]
         assert device[1]["options"] == ["auto", "cpu"]  # no GPU here; fsdp is for the diffusion model only
@@ -246,28 +250,40 @@ def test_text_encoder_type_and_device_errors(server: ComfyServer):
     assert "fsdp shards only the diffusion model" in _details(queued_errors(server, prompt)[1], "1")
 
 
-def test_a_latent_larger_than_the_plan_warns_with_the_numbers(server: ComfyServer):
-    """The plan sized memory for 64x64x5; sampling 128x128 says so at the first step (4x the tokens), and a latent
-    of the planned size says nothing."""
-    def prompt(size: int) -> dict[str, Any]:
+def test_a_latent_of_another_size_than_the_plan_warns_with_the_numbers(server: ComfyServer):
+    """The plan sized memory for 64x64x5: a latent wired from the plan's width, height, frames and batch outputs
+    samples that size and says nothing; one typed apart at 128x128 says so at the first step (4x the tokens), and
+    at 32x32 too (a quarter)."""
+    def prompt(size: int | None) -> dict[str, Any]:
+        wired = {"width": ["1", 1], "height": ["1", 2], "length": ["1", 3], "batch_size": ["1", 4]}
         return {
             "1": plan_node(devices="auto", vae="none"),
             "2": {"class_type": "MgpuLoadDiffusionModel", "inputs": {
                 "unet_name": WAN, "weight_dtype": "default", "device": "auto", "fsdp_ranks": 0, "plan": ["1", 0]}},
             "3": {"class_type": "MgpuTestConditioning", "inputs": {"width": 4096, "tokens": 8, "seed": 1, "scale": 1.0}},
-            "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": size, "height": size, "length": 5,
-                                                                       "batch_size": 1}},
+            "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": wired if size is None else {
+                "width": size, "height": size, "length": 5, "batch_size": 1}},
             "5": {"class_type": "KSampler", "inputs": {
-                "model": ["2", 0], "positive": ["3", 0], "negative": ["3", 0], "latent_image": ["4", 0], "seed": size,
-                "steps": 1, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+                "model": ["2", 0], "positive": ["3", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+                "seed": size or 0, "steps": 1, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+                "denoise": 1.0}},
             "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"mgpu_plan_{size}"}},
         }
 
     before = len(server.log())
-    assert run(server, prompt(64))["status"]["status_str"] == "success"
+    entry = run(server, prompt(None))
+    assert entry["status"]["status_str"] == "success", entry["status"]
     assert "but the MGPU Plan was made for" not in server.log()[before:]
+    (saved,) = entry["outputs"]["6"]["latents"]
+    latent = load_file(str(server.output_dir / saved["subfolder"] / saved["filename"]))["latent_tensor"]
+    assert tuple(latent.shape) == (1, 16, 2, 8, 8)   # 64x64x5, batch 1: the plan's size came down the wires
     before = len(server.log())
     assert run(server, prompt(128))["status"]["status_str"] == "success"
     log = server.log()[before:]
     assert "latent 2x16x2x16x16 is 128 tokens x batch 2 = 256, but the MGPU Plan was made for 64x64x5, batch 1 " \
            "with CFG = 32 tokens x batch 2 = 64 (this is 4.0x that)" in log, log[-3000:]
+    before = len(server.log())
+    assert run(server, prompt(32))["status"]["status_str"] == "success"
+    log = server.log()[before:]
+    assert "latent 2x16x2x4x4 is 8 tokens a video, but the MGPU Plan was made for 64x64x5, batch 1 with CFG = 32 " \
+           "tokens a video" in log, log[-3000:]

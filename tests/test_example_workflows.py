@@ -8,7 +8,9 @@ Live tier (real ComfyUI, CPU): every node type and input is valid against /objec
 tiny checkpoints written under the file names the workflow uses. No text encoder can be tiny (ComfyUI always
 builds UMT5-XXL / T5-XXL full size), so for the run the text encoder loader is dropped and each CLIPTextEncode
 is replaced by the harness's MgpuTestConditioning (seeded 4096-wide embeddings), keeping the node ids and links;
-the plan's text encoder is "none" and sizes, frames and steps are shrunk. Everything else runs as written.
+the plan's text encoder is "none" and sizes, frames and steps are shrunk (sizes and frames in the plan only: the
+latent nodes take them from its outputs). Everything else runs as written, and no step warns that its latent
+differs from the plan.
 """
 
 from __future__ import annotations
@@ -105,6 +107,36 @@ def test_the_wan_example_is_the_multi_gpu_text_to_video():
     plan_id = next(i for i, n in api.items() if n["class_type"] == "MgpuPlan")
     loaders = [n for n in api.values() if n["class_type"].startswith("MgpuLoad")]
     assert all(n["inputs"]["plan"] == [plan_id, 0] and n["inputs"]["device"] == "auto" for n in loaders)
+
+
+# ComfyUI's latent nodes the examples use: each size input, and the MGPU Plan output it is wired from.
+PLAN_OUTPUTS = ("plan", "width", "height", "frames", "batch")
+LATENT_WIRES = {
+    "EmptyHunyuanLatentVideo": {"width": "width", "height": "height", "length": "frames", "batch_size": "batch"},
+    "EmptyLTXVLatentVideo": {"width": "width", "height": "height", "length": "frames", "batch_size": "batch"},
+    "LTXVEmptyLatentAudio": {"frames_number": "frames", "batch_size": "batch"},   # LTX-2's audio: as many frames
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_latent_size_is_typed_once_in_the_plan(name):
+    """Every latent node takes its width, height, length and batch from MGPU Plan's outputs (UI links and API
+    twin alike), so the video sampled is the video planned; the plan output stays slot 0 for saved workflows."""
+    ui, api = load(name)
+    (plan,) = [n for n in ui["nodes"] if n["type"] == "MgpuPlan"]
+    assert [(o["name"], o["type"]) for o in plan["outputs"]] == [
+        (n, "MGPU_PLAN" if n == "plan" else "INT") for n in PLAN_OUTPUTS]
+    empty = [n["type"] for n in ui["nodes"] if n["type"].startswith(("Empty", "LTXVEmpty"))]
+    assert empty and set(empty) <= set(LATENT_WIRES), empty
+    links = {link[0]: link for link in ui["links"]}
+    for node in ui["nodes"]:
+        for slot, inp in enumerate(node.get("inputs", [])):
+            if inp["name"] not in LATENT_WIRES.get(node["type"], {}):
+                continue
+            source = PLAN_OUTPUTS.index(LATENT_WIRES[node["type"]][inp["name"]])
+            assert inp["link"] is not None, (node["type"], inp["name"])
+            assert links[inp["link"]][1:] == [plan["id"], source, node["id"], slot, "INT"], (node["type"], inp)
+            assert api[str(node["id"])]["inputs"][inp["name"]] == [str(plan["id"]), source]
 
 
 STOCK_DECODES = {"VAEDecode", "VAEDecodeTiled"}
@@ -292,12 +324,8 @@ def _for_the_run(api: dict, width: int, height: int, frames: int, text: tuple[in
         elif kind == "CLIPTextEncode":
             prompt[node_id] = {"class_type": "MgpuTestConditioning",
                                "inputs": {"width": text[0], "tokens": text[1], "seed": int(node_id), "scale": 1.0}}
-        elif kind == "MgpuPlan":
+        elif kind == "MgpuPlan":   # the latent nodes are wired to its width, height and frames
             inputs.update(text_encoder="none", width=width, height=height, frames=frames)
-        elif kind.startswith("Empty") and "Latent" in kind:
-            inputs.update(width=width, height=height, length=frames)
-        elif kind == "LTXVEmptyLatentAudio":
-            inputs.update(frames_number=frames)
         elif kind in ("MgpuFSDPSampler", "LTXVScheduler"):
             inputs.update(steps=2)
     return prompt
@@ -311,6 +339,8 @@ def model_files(api: dict) -> set[str]:
 
 # What MGPU VAE Decode logs when its devices auto follows a connected MGPU Plan (loaders/parallel_decode.py).
 FOLLOWS_THE_PLAN = "MGPU VAE Decode: auto: the MGPU Plan"
+# What a sampler step logs when its latent is not the size the plan was made for (loaders/plan_check.py).
+PLAN_CHECK_WARNING = "but the MGPU Plan was made for"
 
 
 def _run_twin(server: ComfyServer, prompt: dict) -> dict:
@@ -319,6 +349,7 @@ def _run_twin(server: ComfyServer, prompt: dict) -> dict:
     entry = server.wait(server.post_prompt(prompt), timeout=600)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:4000]
     assert FOLLOWS_THE_PLAN in server.log()[start:], server.log_tail()
+    assert PLAN_CHECK_WARNING not in server.log()[start:], server.log()[start:][-3000:]
     return entry
 
 
@@ -545,7 +576,7 @@ def test_the_wan22_example_is_comfyuis_two_expert_workflow_on_one_plan():
 
     assert (expert_of(first), expert_of(second)) == (plan["dit"], plan["dit_low_noise"])
     (_, latent), = by_type["EmptyHunyuanLatentVideo"]
-    assert (latent["width"], latent["height"], latent["length"]) == (plan["width"], plan["height"], plan["frames"])
+    assert (latent["width"], latent["height"], latent["length"]) == ([plan_id, 1], [plan_id, 2], [plan_id, 3])
 
 
 @pytest.mark.comfyui
