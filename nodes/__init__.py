@@ -11,6 +11,7 @@ from .diffusion import MgpuLoadDiffusionModel
 from .plan import MgpuPlan
 from .routes import register_routes
 from .sampler import MgpuFSDPSampler
+from .templates import register_template_filter
 from .vae_decode import MgpuVAEDecode
 
 
@@ -42,6 +43,7 @@ def _follow_unload_all_models() -> None:
 
 
 register_routes()
+register_template_filter()   # the LTX-2 example only where ComfyUI has LTX-2's nodes
 _follow_unload_all_models()
 sweep_stale_dirs()       # shared memory and logs of a ComfyUI that was killed (SIGKILL) while ranks ran
 clean_up_on_sigterm()    # and none left behind when this one is stopped with SIGTERM

@@ -19,10 +19,12 @@ import copy
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ from comfy_checkpoints import (
     write_tiny_wan21_t2v,
     write_wan21_vae,
 )
-from comfyui_env import ComfyServer, find_comfyui
+from comfyui_env import PACK_LINK_NAME, ComfyServer, find_comfyui
 from example_files import (
     EXAMPLES,
     EXAMPLES_DIR,
@@ -263,6 +265,54 @@ def test_the_template_browser_lists_exactly_the_examples_with_their_thumbnails()
         assert path.stat().st_size <= 48 * 1024, f"{path.name}: keep thumbnails small"
 
 
+# A node's title bar in a thumbnail: its mean grey level on the canvas as both frontends draw it (measured 54-66 on
+# 1.27's and 1.49's dark theme). A dialog dims the canvas around it (1.27's "Some Nodes Are Missing" over the old
+# LTX-2 thumbnail: 9-39) and hides what lies under its panel.
+TITLE_GREY = (40, 100)
+
+
+def _node_title_greys(ui: dict, image) -> dict[str, float]:
+    """Mean grey level of each node's title bar in a thumbnail of ``ui``, by "id type".
+
+    The thumbnail is the graph's bounding box (title bars included) plus 16 screen px each side, scaled as a whole
+    (tests/test_web_templates.py: _write_thumbnail): width = a*graph_w + 32*t, height = a*graph_h + 32*t, with a
+    the canvas units -> thumbnail px scale and t the screen px -> thumbnail px one, two equations for the two."""
+    from PIL import ImageStat
+
+    nodes = ui["nodes"]
+    x0 = min(n["pos"][0] for n in nodes)
+    y0 = min(n["pos"][1] - TITLE_HEIGHT for n in nodes)
+    graph_w = max(n["pos"][0] + n["size"][0] for n in nodes) - x0
+    graph_h = max(n["pos"][1] + n["size"][1] for n in nodes) - y0
+    grey = image.convert("L")
+    a = (grey.width - grey.height) / (graph_w - graph_h)
+    pad = (grey.width - a * graph_w) / 2
+    assert a > 0 and 0 <= pad < 0.05 * grey.width, (a, pad)   # a picture of this graph at all
+
+    def at(x: float, y: float) -> tuple[int, int]:
+        return round(pad + a * (x - x0)), round(pad + a * (y - y0))
+
+    greys = {}
+    for n in nodes:   # inside the title bar, clear of its rounded corners and the collapse dot
+        (x, y), (w, _) = n["pos"], n["size"]
+        box = (*at(x + 10, y - TITLE_HEIGHT + 5), *at(x + w - 10, y - 5))
+        greys[f"{n['id']} {n['type']}"] = ImageStat.Stat(grey.crop(box)).mean[0]
+    return greys
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_thumbnail_shows_a_dialog_over_the_graph(name):
+    """Each thumbnail shows the workflow's graph, every node's title bar as the canvas draws it: no dialog over it
+    (the LTX-2 one was once a screenshot of "Some Nodes Are Missing", taken on a ComfyUI without LTX-2)."""
+    from PIL import Image
+
+    ui, _ = load(name)
+    with Image.open(thumbnail_path(name)) as img:
+        greys = _node_title_greys(ui, img)
+    hidden = {node: round(g, 1) for node, g in greys.items() if not TITLE_GREY[0] <= g <= TITLE_GREY[1]}
+    assert not hidden, f"{thumbnail_path(name).name}: title bars dimmed or covered, a dialog over the graph? {hidden}"
+
+
 # --- live tier ----------------------------------------------------------------------------------------------------
 
 def _input_spec(info: dict, node_type: str, name: str) -> tuple[Any, dict]:
@@ -275,6 +325,36 @@ def _input_spec(info: dict, node_type: str, name: str) -> tuple[Any, dict]:
 # Stock nodes an example needs that older ComfyUI lacks: there the example is checked to need exactly these.
 NEWER_NODES = {"ltx2_t2v_multi_gpu": {"LTXVAudioVAELoader", "LTXVEmptyLatentAudio", "LTXVConcatAVLatent",
                                       "LTXVSeparateAVLatent", "LTXVAudioVAEDecode"}}   # LTX-2: ComfyUI 0.33+
+
+
+@pytest.mark.comfyui
+def test_the_template_browser_offers_only_the_examples_this_comfyui_runs(comfyui_server: ComfyServer):
+    """ComfyUI lists every example_workflows/*.json of a pack (GET /api/workflow_templates, what the template browser
+    reads); the pack takes out the examples whose stock nodes this ComfyUI lacks: LTX-2 on 0.3.64 (no LTX-2 nodes:
+    its card opened into "Some Nodes Are Missing"), none on 0.33. Other packs' entries are left alone."""
+    server = comfyui_server
+    info = server.object_info()
+    runnable = {EXAMPLES[n] for n in NAMES if not NEWER_NODES.get(n, set()) - set(info)}
+    other = server.base_dir / "custom_nodes" / "mgpu_other_pack" / "example_workflows"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / "LTX-2 of another pack.json").write_text(
+        json.dumps({"nodes": [{"id": 1, "type": "LTXVAudioVAELoader"}], "links": []}))
+    try:
+        for path in ("/api/workflow_templates", "/workflow_templates"):
+            listing = server.get(path)
+            assert set(listing[PACK_LINK_NAME]) == runnable, (path, listing[PACK_LINK_NAME])
+            assert listing["mgpu_other_pack"] == ["LTX-2 of another pack"]
+    finally:
+        shutil.rmtree(other.parent)
+    if "LTXVAudioVAELoader" in info:
+        assert runnable == set(EXAMPLES.values())
+    else:
+        assert runnable == set(EXAMPLES.values()) - {EXAMPLES["ltx2_t2v_multi_gpu"]}
+        assert "the example workflow 'LTX-2 19B text-to-video with audio (multi-GPU)' is not offered" in server.log()
+    # the card's files stay served, for a link saved before
+    for title in EXAMPLES.values():
+        status, _ = server._request("GET", f"/api/workflow_templates/{PACK_LINK_NAME}/{quote(title)}.json")
+        assert status == 200, title
 
 
 @pytest.mark.comfyui
