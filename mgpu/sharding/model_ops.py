@@ -13,6 +13,7 @@ the ranks of a group compute the same rows together, one answering.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -141,7 +142,7 @@ def _rows(value: Any, batch: int, lo: int, hi: int, batched: bool) -> Any:
     return value
 
 
-def _output(out: Any) -> torch.Tensor | list[torch.Tensor]:
+def output_of(out: Any) -> torch.Tensor | list[torch.Tensor]:
     """Diffusion models return a tensor, a tuple whose first item is the prediction, an object with ``sample``, or
     (ComfyUI 0.33's LTX-2, as ComfyUI's ``_apply_model`` reads it) a list of several tensors: one per stream."""
     if isinstance(out, (tuple, list)) and len(out) > 1 and all(isinstance(o, torch.Tensor) for o in out):
@@ -162,8 +163,26 @@ def _answer(out: torch.Tensor | list[torch.Tensor], device: torch.device) -> tup
     return {}, {"out": _to_host(out, device)}
 
 
-def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
-    entry = ctx.objects[payload["handle"]]
+@dataclass
+class StepInputs:
+    """One forward's inputs on this rank: its rows ``[lo, hi)`` of the batch (``empty``: it has none and runs a
+    forward on row 0 only to stay in FSDP's collectives), whether it answers with them, and the split."""
+
+    args: list
+    kwargs: dict
+    batch: int
+    lo: int
+    hi: int
+    answers: bool
+    empty: bool
+    layout: Layout
+
+
+def step_inputs(ctx: RankContext, entry: dict, payload: dict, tensors: Tensors,
+                layout: Layout | None = None) -> StepInputs:
+    """Resolve a forward's references (``ShardedModule.forward``'s payload) to this rank's rows, on its device,
+    after updating the model's context cache. ``layout`` forces a split (training: rows only); by default the
+    best split for the batch among the loaded degrees, or every rank the whole batch when ``split`` is off."""
     cache: dict[str, torch.Tensor] = entry["cache"]  # per model: each host handle mirrors its own LRU
     for digest in payload.get("cache_drop", ()):
         cache.pop(digest, None)
@@ -173,10 +192,12 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
     batch = payload["batch"]
     layouts: Layouts = entry["layouts"]
     split = payload.get("split", True)
-    layout = layouts.for_rows(batch) if split else Layout(ctx.world_size, 1)
+    if layout is None:
+        layout = layouts.for_rows(batch) if split else Layout(ctx.world_size, 1)
     layouts.use(layout)
     lo, hi, answers = rank_rows(batch, layout, ctx.rank, split)
-    if lo == hi:
+    empty = lo == hi
+    if empty:
         lo, hi = 0, 1  # a forward on one row keeps this rank in the all-gathers; its output is dropped
     batched = set(payload.get("batched", ()))
     rows = (batch, lo, hi)
@@ -184,16 +205,28 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
             for i, r in enumerate(payload["args"])]
     kwargs = {k: _rows(_resolve(r, tensors, cache, ctx.torch_device, rows), batch, lo, hi, k in batched)
               for k, r in payload["kwargs"].items()}
+    return StepInputs(args, kwargs, batch, lo, hi, answers and not empty, empty, layout)
+
+
+def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
+    entry = ctx.objects[payload["handle"]]
+    step = step_inputs(ctx, entry, payload, tensors)
     try:
         with torch.no_grad():   # not inference_mode: FSDP2 bumps version counters (crashes at world size 1)
-            out = _output(entry["model"](*args, **kwargs))
+            out = output_of(entry["model"](*step.args, **step.kwargs))
     except Exception:
-        _clean_after_failed_forward(ctx, entry)
+        clean_after_failed_forward(ctx, entry)
         raise
-    if not answers:
-        return {"rows": [0, 0], "layout": [layout.cfg, layout.sp]}, {}
-    extra, outputs = _answer(out, ctx.torch_device)
-    return {"rows": [lo, hi], "layout": [layout.cfg, layout.sp], **extra}, outputs
+    return answer(step, out, ctx.torch_device)
+
+
+def answer(step: StepInputs, out: torch.Tensor | list[torch.Tensor], device: torch.device) -> tuple[dict, Tensors]:
+    """The reply of a forward: the rows this rank answers for (none when another rank of its group answers)."""
+    split = [step.layout.cfg, step.layout.sp]
+    if not step.answers:
+        return {"rows": [0, 0], "layout": split}, {}
+    extra, outputs = _answer(out, device)
+    return {"rows": [step.lo, step.hi], "layout": split, **extra}, outputs
 
 
 def call(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
@@ -217,7 +250,7 @@ def call(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tenso
     return {"out": out}, {}
 
 
-def _clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
+def clean_after_failed_forward(ctx: RankContext, entry: dict) -> None:
     """A forward that raised (a cancel between blocks, CUDA OOM, bad input) leaves blocks gathered, a prefetched
     all-gather pending and FSDP's forward marked as running, and memory cached; the pool survives an error every
     rank raised, so reset FSDP (the next forward, after a LoRA change too, gathers the current shards) and give the

@@ -118,6 +118,11 @@ class ShardedModule:
         self.split: tuple[int, int] | None = None   # (cfg groups, sequence degree) of the last forward
 
     @property
+    def generation(self) -> int:
+        """The pool generation this model was loaded in (-1: not loaded); calls for it carry it."""
+        return self._generation
+
+    @property
     def loaded(self) -> bool:
         return self._generation == self.pool.generation and self.pool.alive
 
@@ -155,6 +160,19 @@ class ShardedModule:
         """
         if not self.loaded:
             self.load(cancelled=cancelled)
+        payload, tensors = self.pack_forward(args, kwargs)
+        try:
+            replies = self.pool.call(OPS + "forward", payload, tensors, timeout=timeout, cancelled=cancelled,
+                                     generation=self._generation)
+        except (RankFailure, CallCancelled):
+            self._cache.reset()
+            raise
+        return self.join_rows(replies)
+
+    def pack_forward(self, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The payload and tensors of a forward (``model_ops.step_inputs`` reads them on the ranks): tensors by
+        reference through shared memory, cached inputs by content digest, batched ones marked for the row split.
+        A call that fails must ``reset_cache``: the ranks may not hold what this one put there."""
         batch = first_tensor([*args, *kwargs.values()]).shape[0]
         tensors: dict[str, torch.Tensor] = {}
         payload: dict[str, Any] = {"handle": self.handle, "batch": batch, "cache_put": {}, "batched": [],
@@ -189,16 +207,19 @@ class ShardedModule:
         payload["args"] = [ref(f"arg{i}", a) for i, a in enumerate(args)]
         payload["kwargs"] = {k: ref(k, v) for k, v in kwargs.items()}
         payload["cache_drop"] = self._plan_cache(used)
-        try:
-            replies = self.pool.call(OPS + "forward", payload, tensors, timeout=timeout, cancelled=cancelled,
-                                     generation=self._generation)
-        except (RankFailure, CallCancelled):
-            self._cache.reset()
-            raise
+        return payload, tensors
+
+    def reset_cache(self) -> None:
+        """Forget which inputs the ranks cache (after a failed call, which may have left them without)."""
+        self._cache.reset()
+
+    def join_rows(self, replies: list) -> torch.Tensor | list[torch.Tensor]:
+        """The forward's output from the ranks' replies: the answering ranks' rows in order (per stream)."""
+        batch_rows = sum(r.payload["rows"][1] - r.payload["rows"][0] for r in replies)
         split = tuple(replies[0].payload.get("layout", ()))
         if split and split != self.split:
             log.info("%s: %d batch row%s per step split %d (CFG/batch) x %d (sequence) over %d ranks",
-                     self.spec.checkpoint, batch, "s" if batch != 1 else "", *split, len(replies))
+                     self.spec.checkpoint, batch_rows, "s" if batch_rows != 1 else "", *split, len(replies))
         self.split = split or None
         answers = sorted((tuple(r.payload["rows"]), r) for r in replies if r.payload["rows"][0] < r.payload["rows"][1])
         streams = answers[0][1].payload.get("streams")
