@@ -1,0 +1,207 @@
+"""Rank ops of a training run, called by path (``"mgpu.training.ops:forward"``) on a model ``model_ops.load`` loaded.
+
+Data parallel: every network call of a step splits its batch rows over all ranks (no sequence split yet); each rank
+keeps its part of the autograd graph until the host sends the gradient of the call's output, so the host computes
+the loss exactly as ComfyUI's Train LoRA does (its own ``model_sampling``, loss function and averaging over the
+conditionings) and only the output and its gradient travel per call. The adapters are replicated: their gradients
+are partial sums over each rank's rows, summed by one all-reduce per bucket at ``step``, and then every rank runs
+the same optimizer update on the same values, so they stay identical without ever being broadcast. Adapters are a
+few hundred MB even for a 14B model at rank 32, which is why they are not sharded (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from mgpu.families import Layout
+from mgpu.ranks.rank import RankContext, Tensors, import_path
+from mgpu.sharding import model_ops
+from mgpu.sharding.fsdp import reset_after_failed_forward
+from mgpu.training import adapters as adapter_mod
+
+RUN = "training"   # in the model's ctx.objects entry
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD,
+              "RMSprop": torch.optim.RMSprop}   # ComfyUI's Train LoRA's choices, with torch's defaults as there
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}   # fp32: no autocast (torch disables it for fp32)
+BUCKET_BYTES = 25 << 20   # fp32 gradient bytes per all-reduce: DDP's default bucket
+
+
+@dataclass
+class Run:
+    adapters: dict[str, nn.Module]
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    attached: dict
+    autocast: torch.dtype | None
+    mode: Any   # the host library's training switch (``payload["mode"]``, a path): on for the run, off after
+    checkpointed: list[nn.Module] = field(default_factory=list)
+    graphs: dict[int, tuple[torch.Tensor, model_ops.StepInputs]] = field(default_factory=dict)
+    steps: int = 0
+    reduced_bytes: int = 0
+
+
+def start(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Install the adapters (built by ``payload["adapters"]``, a factory path, from the host's first values) in the
+    model's layers, turn the host library's training paths on (``payload["mode"]``, a path called with True now and
+    False when the run ends), switch gradient checkpointing per FSDP unit on if asked, and make the optimizer. A run this
+    model still carries (its host went away mid-run) ends first."""
+    entry = ctx.objects[payload["handle"]]
+    if RUN in entry:
+        _end(ctx, entry)
+    model: nn.Module = entry["model"]
+    if payload["optimizer"] not in OPTIMIZERS:
+        raise ValueError(f"optimizer {payload['optimizer']!r}: choose one of {', '.join(OPTIMIZERS)}")
+    build, mode = import_path(payload["adapters"]), import_path(payload["mode"])
+    found = build(payload["specs"], tensors, payload["lora_dtype"], ctx.torch_device)
+    reset_after_failed_forward(model)   # whatever the last sampling step left, the first forward starts afresh
+    attached = adapter_mod.attach(model, found)
+    params = adapter_mod.trainable(found)
+    run = Run(found, params, OPTIMIZERS[payload["optimizer"]](list(params.values()), lr=payload["learning_rate"]),
+              attached, AUTOCAST.get(payload["training_dtype"]), mode)
+    if payload.get("gradient_checkpointing"):
+        run.checkpointed = _checkpoint_units(model)
+    model.train()
+    mode(True)
+    entry[RUN] = run
+    return {"adapters": len(found), "trainable_params": sum(p.numel() for p in params.values()),
+            "adapter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+            "checkpointed_units": len(run.checkpointed)}
+
+
+def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
+    """One network call of a step on this rank's rows, gradients on; the graph waits for ``backward``."""
+    entry = ctx.objects[payload["handle"]]
+    run: Run = entry[RUN]
+    step = model_ops.step_inputs(ctx, entry, payload, tensors, layout=Layout(ctx.world_size, 1))
+    try:
+        with torch.enable_grad(), _autocast(ctx.torch_device, run.autocast):
+            out = model_ops.output_of(entry["model"](*step.args, **step.kwargs))
+        if not isinstance(out, torch.Tensor):
+            raise ValueError("this network answers with several streams (LTX-2's video and audio): training it "
+                             "over the ranks is not supported yet")
+    except Exception:
+        _failed(ctx, entry)
+        raise
+    run.graphs[payload["graph"]] = (out, step)
+    return model_ops.answer(step, out.detach(), ctx.torch_device)
+
+
+def backward(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """The gradient of one forward's output reaches this rank's rows (zeros for a rank that had none, which still
+    joins the backward's all-gathers); the adapters' gradients accumulate."""
+    entry = ctx.objects[payload["handle"]]
+    run: Run = entry[RUN]
+    out, step = run.graphs.pop(payload["graph"])
+    grad = (torch.zeros_like(out) if step.empty else
+            tensors["grad"][step.lo:step.hi].to(out.device, out.dtype))
+    try:
+        out.backward(grad)
+    except Exception:
+        _failed(ctx, entry)
+        raise
+    return {}
+
+
+def step(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Sum the gradients over the ranks, then the optimizer step on every rank (same values, same update)."""
+    entry = ctx.objects[payload["handle"]]
+    run: Run = entry[RUN]
+    grads = [p.grad for p in run.params.values() if p.grad is not None]
+    sent = _all_reduce(grads) if ctx.world_size > 1 else 0
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.steps += 1
+    run.reduced_bytes += sent
+    return {"step": run.steps, "reduced_bytes": sent}
+
+
+def state(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tensors]:
+    """The adapters under their LoRA keys (rank 0 answers: every rank holds the same)."""
+    run: Run = ctx.objects[payload["handle"]][RUN]
+    if ctx.rank != 0:
+        return {}, {}
+    found = adapter_mod.state(run.adapters)
+    return {"keys": list(found), "steps": run.steps}, found
+
+
+def stop(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """End the run: the layers get their function lists back, checkpointing and training mode off, graphs and
+    gradients dropped, FSDP reset; the model samples as before the run. A model without a run: nothing to do."""
+    entry = ctx.objects.get(payload["handle"])
+    if entry is None or RUN not in entry:
+        return {"stopped": False}
+    _end(ctx, entry)
+    return {"stopped": True}
+
+
+def _end(ctx: RankContext, entry: dict) -> None:
+    run: Run = entry.pop(RUN)
+    run.mode(False)
+    run.graphs.clear()
+    adapter_mod.detach(run.attached)
+    for unit in run.checkpointed:
+        unit.__dict__.pop("forward", None)
+    model = entry["model"]
+    model.eval()
+    model_ops.clean_after_failed_forward(ctx, entry)
+
+
+def _failed(ctx: RankContext, entry: dict) -> None:
+    """A forward or backward raised (Cancel between blocks, OOM): drop the graphs and this micro step's gradients
+    and reset FSDP, so the pool and the model stay usable; the host ends the run."""
+    run: Run = entry[RUN]
+    run.graphs.clear()
+    run.optimizer.zero_grad()
+    model_ops.clean_after_failed_forward(ctx, entry)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    """ComfyUI's Train LoRA runs the network under ``torch.autocast`` in the training dtype; fp32 runs plain."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _checkpoint_units(model: nn.Module) -> list[nn.Module]:
+    """Recompute each FSDP block unit in its backward instead of keeping its activations (ComfyUI's Train LoRA
+    checkpoints the same blocks). The unit's FSDP hooks stay outside: the recompute runs while the backward has the
+    block gathered again. Returns the units, whose instance ``forward`` ``_end`` removes."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for unit in units:
+        inner = unit.forward
+
+        def checkpointed(*args: Any, _inner=inner, **kwargs: Any) -> Any:
+            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        unit.forward = checkpointed
+    return units
+
+
+def _all_reduce(grads: list[torch.Tensor]) -> int:
+    """Sum ``grads`` over the ranks in place, in fp32 buckets of ``BUCKET_BYTES``; returns the bytes reduced."""
+    sent = 0
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in [*grads, None]:
+        if g is not None and size + g.numel() * 4 <= BUCKET_BYTES or (g is not None and not bucket):
+            bucket.append(g)
+            size += g.numel() * 4
+            continue
+        if bucket:
+            flat = torch.cat([b.reshape(-1).float() for b in bucket])
+            dist.all_reduce(flat)
+            sent += flat.numel() * 4
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+        bucket, size = ([g], g.numel() * 4) if g is not None else ([], 0)
+    return sent
