@@ -189,19 +189,28 @@ COMFYUI_TEMPLATES = {"wan21_t2v_multi_gpu": "text_to_video_wan", "ltxv_t2v_multi
 @pytest.mark.parametrize("name", NAMES)
 def test_every_model_file_has_download_metadata_on_its_node(name):
     """The frontend lists a node's properties.models entries whose name is one of its widget values (like stock
-    loaders in ComfyUI's templates): every file a loader names needs one, in the folder that input lists."""
+    loaders in ComfyUI's templates): every file a loader names needs one, in the folder that input lists; an
+    all-in-one file (named by inputs of several folders: LTX-Video's DiT + VAE, LTX-2's DiT + VAEs + text projection)
+    in checkpoints, where ComfyUI's own LTX-Video and LTX-2 templates keep it and every MGPU node finds it: one file,
+    one folder, no links."""
     ui, _ = load(name)
+    folders_of: dict[str, set[str]] = {}
+    for n in ui["nodes"]:
+        for k, v in file_widgets(n).items():
+            folders_of.setdefault(v, set()).add(FILE_FOLDERS[k])
+    in_checkpoints = {v for v, folders in folders_of.items() if len(folders) > 1 or folders == {"checkpoints"}}
     for n in ui["nodes"]:
         files, models = file_widgets(n), n.get("properties", {}).get("models", [])
-        expected = sorted((v, FILE_FOLDERS[k]) for k, v in files.items())
+        expected = sorted((v, "checkpoints" if v in in_checkpoints else FILE_FOLDERS[k]) for k, v in files.items())
         assert sorted((m["name"], m["directory"]) for m in models) == expected, (n["type"], models)
         for m in models:
             url = HF_FILE_URL.fullmatch(m["url"])
             assert url and url["file"] == m["name"], (n["type"], m)
             assert url["org"] in OFFICIAL_ORGS, (n["type"], m)
-    urls = {}
-    for m in declared_models(ui):  # one file, one URL, whichever node names it
+    urls, folders = {}, {}
+    for m in declared_models(ui):  # one file, one URL and one folder, whichever node names it
         assert urls.setdefault(m["name"], m["url"]) == m["url"], m
+        assert folders.setdefault(m["name"], m["directory"]) == m["directory"], m
 
 
 def test_the_wan_files_are_comfy_orgs_repack():
@@ -523,11 +532,10 @@ def test_ltxv_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfySer
     server = comfyui_server
     _, api = load("ltxv_t2v_multi_gpu")
     (name,) = model_files(api)
-    dit_file, vae_link = server.diffusion_models / name, server.vae / name
-    if not dit_file.exists():
-        write_tiny_ltxv_checkpoint(dit_file)
-    if not vae_link.is_symlink():
-        vae_link.symlink_to(dit_file)  # as the workflow's note says: the same file in both folders
+    checkpoints = server.base_dir / "models" / "checkpoints"   # ComfyUI's own folder under --base-directory
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    if not (checkpoints / name).exists():   # as the workflow's note says: there alone, as ComfyUI's LTXV template
+        write_tiny_ltxv_checkpoint(checkpoints / name)
     entry = _run_twin(server, _for_the_run(api, 64, 64, 9))
     assert _video(server, entry) == (9, 64, 64)
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
@@ -606,14 +614,10 @@ def test_ltx2_twin_runs_on_a_tiny_all_in_one_checkpoint(comfyui_server: ComfySer
         assert not NEWER_NODES["ltx2_t2v_multi_gpu"] & set(server.object_info())
         return
     (name,) = model_files(api)
-    dit_file = server.diffusion_models / name
-    if not dit_file.exists():
-        write_tiny_ltx2_checkpoint(dit_file)
     checkpoints = server.base_dir / "models" / "checkpoints"   # ComfyUI's own folder under --base-directory
     checkpoints.mkdir(parents=True, exist_ok=True)
-    for link in (server.vae / name, checkpoints / name):   # as the workflow's note says: the same file everywhere
-        if not link.is_symlink():
-            link.symlink_to(dit_file)
+    if not (checkpoints / name).exists():   # as the workflow's note says: there alone, as ComfyUI's LTX-2 template
+        write_tiny_ltx2_checkpoint(checkpoints / name)
     for node in api.values():
         if node["class_type"] == "MgpuLoadDiffusionModel":
             node["inputs"]["device"] = dit_device
