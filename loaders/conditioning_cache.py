@@ -297,5 +297,6 @@ def deferred(key: tuple, load: Callable[[], Any], what: str):
     clip = cached_clip_class()(no_init=True)
     vars(clip).update({k: v.copy() if isinstance(v, dict) else v for k, v in attrs.items()},
                       mgpu_encoder_key=key, mgpu_fresh_facts=facts, _mgpu_load=load_now)
-    log.info("%s: encoder loaded on first use (an encode not in the cache, or a node that needs its weights)", what)
+    log.info("%s: loaded before, so not loaded now: its weights load at their first use (an encode not in the cache, "
+             "or a node that needs them)", what)
     return clip
