@@ -85,7 +85,7 @@ def setup(tmp_path_factory):
     tm.save_checkpoint(reference, path)
     pool = RankPool(PoolConfig(devices=["cpu", "cpu"], extra_sys_path=[TESTS], call_timeout_s=120))
     sharded = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_comfy_wan", checkpoint=str(path),
-                                            key_prefix=tm.checkpoint_prefix(reference)))
+                                            key_prefix=tm.checkpoint_prefix(reference), cached_inputs=("context",)))
     sharded.load()
     yield reference, sharded, pool
     pool.close()
@@ -133,8 +133,9 @@ def test_a_cancelled_run_leaves_the_model_and_the_next_run_equals_a_fresh_one(se
     specs, first = first_adapters(reference, seed=1)
     inputs, target = data()
     with torch.no_grad():
-        before = sharded(**inputs)
+        before = sharded(**inputs)   # the context is now cached on the ranks, as when sampling
     fresh, _ = train(sharded, specs, first, inputs, target, steps=2)
+    torch.testing.assert_close(sharded(**inputs), before, rtol=0, atol=0)
     with pytest.raises(CallCancelled) as info:
         train(sharded, specs, first, inputs, target, steps=2, cancelled=lambda: True)
     assert info.value.pool_kept and pool.alive

@@ -35,8 +35,12 @@ class TrainingRun:
         self._generation = -1
 
     def _call(self, op: str, payload: dict, tensors: dict | None = None) -> list:
-        return self.sharded.pool.call(OPS + op, {"handle": self.sharded.handle, **payload}, tensors,
-                                      timeout=self.timeout, cancelled=self.cancelled, generation=self._generation)
+        try:
+            return self.sharded.pool.call(OPS + op, {"handle": self.sharded.handle, **payload}, tensors,
+                                          timeout=self.timeout, cancelled=self.cancelled, generation=self._generation)
+        except (RankFailure, CallCancelled):
+            self.sharded.reset_cache()   # a failed op drops the ranks' cached inputs (and a lost pool has none)
+            raise
 
     def start(self, specs: list[dict], first: dict[str, torch.Tensor], *, factory: str, mode: str, optimizer: str,
               learning_rate: float, training_dtype: str, lora_dtype: str, gradient_checkpointing: bool) -> dict:
@@ -56,11 +60,7 @@ class TrainingRun:
 
     def forward(self, graph: int, args: tuple, kwargs: dict) -> torch.Tensor:
         payload, tensors = self.sharded.pack_forward(args, kwargs)
-        try:
-            replies = self._call("forward", {**payload, "graph": graph}, tensors)
-        except (RankFailure, CallCancelled):
-            self.sharded.reset_cache()
-            raise
+        replies = self._call("forward", {**payload, "graph": graph}, tensors)
         out = self.sharded.join_rows(replies).clone()   # not a view of the pool's shared memory
         self.bytes["outputs"] += out.numel() * out.element_size()
         return out
@@ -84,8 +84,11 @@ class TrainingRun:
         """End the run on the ranks if they are still those that started it (a lost pool has nothing to end)."""
         if self.started is None or not self.sharded.loaded:
             return
-        self.sharded.pool.call(OPS + "stop", {"handle": self.sharded.handle}, timeout=self.timeout,
-                               generation=self._generation)
+        try:
+            self.sharded.pool.call(OPS + "stop", {"handle": self.sharded.handle}, timeout=self.timeout,
+                                   generation=self._generation)
+        finally:
+            self.sharded.reset_cache()   # ending the run resets the model, its cached inputs too
 
     def network(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The network's forward on the ranks as a differentiable function of the host's graph."""
