@@ -197,6 +197,11 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
     def model_size(self) -> int:
         return 0
 
+    @property
+    def sharded(self) -> ShardedModule:
+        """The sharded network this MODEL runs on its ranks (its forward's object patch holds it)."""
+        return self.object_patches[REMOTE_FORWARD].sharded
+
     def clone(self, *args, **kwargs):
         """ComfyUI's clone builds a fresh instance (every sampler and patching node clones): carry our own state.
         Arguments pass through, whatever this ComfyUI's clone takes."""
@@ -264,7 +269,7 @@ class ShardedModelPatcher(comfy.model_patcher.ModelPatcher):
     def _want_weight_patches(self) -> None:
         """ComfyUI calls ``load`` before sampling with the clone that samples: its weight patches (none: the base)
         become what the ranks hold from the next step on; they are sent only when they changed."""
-        sharded = self.object_patches[REMOTE_FORWARD].sharded
+        sharded = self.sharded
         shapes = {k: comfy.utils.get_attr(self.model, k).shape for k in self.patches}
         sharded.set_patches(weight_patches.patch_set(self.patches, self.patches_uuid, shapes, NODE))
 
@@ -314,6 +319,19 @@ class RemoteForward:
         self.signature = signature
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
+        named, x, options = self.bind(args, kwargs)
+        try:
+            out = self.sharded(**named, timeout=(options or {}).get(OPTIONS_KEY, {}).get("timeout_s"),
+                               cancelled=mm.processing_interrupted)
+        except RankFailure as exc:
+            raise pools.explain(exc, f"{self.label}: a denoising step") from exc
+        except CallCancelled as exc:
+            raise_interrupted(exc, self.label)
+        return [o.to(x.device) for o in out] if isinstance(out, list) else out.to(x.device)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[dict, torch.Tensor, dict | None]:
+        """The network's arguments by name, as the ranks take them (``transformer_options`` classified, what cannot
+        travel refused by name), the latent input, and the options as ComfyUI passed them."""
         named = dict(self.signature.bind(*args, **kwargs).arguments)
         for p in self.signature.parameters.values():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
@@ -326,14 +344,7 @@ class RemoteForward:
         x = first_tensor(list(named.values()))   # LTX-2 (0.33): x is its [video, audio] latents
         if options is not None:
             named["transformer_options"] = remote_options.for_ranks(options, x.shape[0], self.label)
-        try:
-            out = self.sharded(**named, timeout=(options or {}).get(OPTIONS_KEY, {}).get("timeout_s"),
-                               cancelled=mm.processing_interrupted)
-        except RankFailure as exc:
-            raise pools.explain(exc, f"{self.label}: a denoising step") from exc
-        except CallCancelled as exc:
-            raise_interrupted(exc, self.label)
-        return [o.to(x.device) for o in out] if isinstance(out, list) else out.to(x.device)
+        return named, x, options
 
 
 # Methods of the network that ComfyUI calls on the host outside its forward: they run on the ranks, which hold the

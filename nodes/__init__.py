@@ -11,13 +11,15 @@ from .diffusion import MgpuLoadDiffusionModel
 from .plan import MgpuPlan
 from .routes import register_routes
 from .sampler import MgpuFSDPSampler
+from .train import MgpuTrainLoRA
 from .templates import register_template_filter
 from .vae_decode import MgpuVAEDecode
 
 
 class MgpuExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [MgpuPlan, MgpuLoadDiffusionModel, MgpuLoadTextEncoder, MgpuLoadVAE, MgpuFSDPSampler, MgpuVAEDecode]
+        return [MgpuPlan, MgpuLoadDiffusionModel, MgpuLoadTextEncoder, MgpuLoadVAE, MgpuFSDPSampler, MgpuVAEDecode,
+                MgpuTrainLoRA]
 
 
 

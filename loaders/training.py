@@ -1,0 +1,276 @@
+"""MGPU Train LoRA, host side: ComfyUI's own Train LoRA loop, with the network and the optimizer on the FSDP ranks.
+
+What stays ComfyUI's, so the result equals its Train LoRA for the same seed: the adapters' first values (its
+``create_train`` per layer, in module order, drawing from the global generator right after ``manual_seed(seed)``:
+the host makes them and sends them), and the whole loop, its ``TrainSampler`` run by its ``Guider_Basic``: the batch
+(``randperm``), the noise (``Noise_RandomNoise(seed + 1000 i)``), the sigmas (``percent_to_sigma(rand)``), the
+conditioning, ``model_sampling`` and the loss on the predicted x0. What moves: the network's forward is a
+``RemoteNetwork`` node of the host's graph (``mgpu.training.run``), so ``loss.backward()`` reaches the ranks, and
+the optimizer is ``RemoteOptimizer``, whose step sums the gradients over the ranks and updates their adapters.
+The global generator is forked for the run: ComfyUI's own is left as it was.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import comfy.model_management as mm
+import comfy.utils
+import torch
+
+from mgpu.errors import CallCancelled, MgpuError, RankFailure
+from mgpu.planning.devices import format_bytes
+from mgpu.training.run import TrainingRun
+
+from . import pools
+from .diffusion import REMOTE_FORWARD, RemoteForward, ShardedModelPatcher, raise_interrupted
+
+log = logging.getLogger("mgpu")
+
+NODE = "MGPU Train LoRA"
+FACTORY = "loaders.train_adapters:build"
+MODE = "loaders.train_adapters:training_mode"
+NETWORK = "diffusion_model."   # the host BaseModel's prefix of the network the ranks hold
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LOSSES = {"MSE": torch.nn.MSELoss, "L1": torch.nn.L1Loss, "Huber": torch.nn.HuberLoss,
+          "SmoothL1": torch.nn.SmoothL1Loss}   # ComfyUI's Train LoRA's choices
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
+ALGORITHMS = ("LoRA",)   # the others' first values depend on more than the weight's shape: not yet over FSDP
+NO_LORA = "[None]"
+
+
+@dataclass
+class TrainSettings:
+    """Core Train LoRA's inputs, with its names and meanings."""
+
+    batch_size: int = 1
+    grad_accumulation_steps: int = 1
+    steps: int = 16
+    learning_rate: float = 0.0005
+    rank: int = 8
+    optimizer: str = "AdamW"
+    loss_function: str = "MSE"
+    seed: int = 0
+    training_dtype: str = "bf16"
+    lora_dtype: str = "bf16"
+    algorithm: str = "LoRA"
+    gradient_checkpointing: bool = True
+    existing_lora: str = NO_LORA
+
+    def check(self) -> None:
+        """Refuse what this node cannot do, by name, before anything runs."""
+        for name, value, allowed in (("training_dtype", self.training_dtype, DTYPES),
+                                     ("lora_dtype", self.lora_dtype, DTYPES), ("optimizer", self.optimizer, OPTIMIZERS),
+                                     ("loss_function", self.loss_function, LOSSES),
+                                     ("algorithm", self.algorithm, ALGORITHMS)):
+            if value not in allowed:
+                raise MgpuError(f"{NODE}: {name} {value!r} is not supported over FSDP ranks; choose one of "
+                                f"{', '.join(allowed)} (or ComfyUI's Train LoRA on a one-device model)")
+        if self.existing_lora != NO_LORA and not self.existing_lora.lower().endswith(".safetensors"):
+            raise MgpuError(f"{NODE}: existing_lora {self.existing_lora!r} is not a .safetensors file; this pack "
+                            "never unpickles a file: convert it to safetensors first")
+
+
+def dataset(latents: list[dict], positive: list) -> tuple[torch.Tensor, list, int]:
+    """The latents as one batch and one conditioning per latent, by ComfyUI's Train LoRA's rules: several LATENT
+    inputs are split into single latents and joined, one conditioning serves every latent, else one each."""
+    if len(latents) == 1:
+        samples = latents[0]["samples"]
+    else:
+        parts = [s[None] for latent in latents for s in latent["samples"]]
+        if len({p.shape for p in parts}) > 1:
+            raise MgpuError(f"{NODE}: the latents have different sizes ({sorted({tuple(p.shape) for p in parts})}); "
+                            "training several resolutions at once is not supported over FSDP ranks yet: give one "
+                            "size (e.g. resize the images before VAE Encode)")
+        samples = torch.cat(parts)
+    count = samples.shape[0]
+    flat = positive[0] if len(positive) == 1 else [c for group in positive for c in
+                                                    (group if isinstance(group, list) else [group])]
+    if len(flat) == 1 and count > 1:
+        flat = flat * count
+    elif len(flat) != count:
+        raise MgpuError(f"{NODE}: {len(flat)} conditionings for {count} latents; give one conditioning for all "
+                        "latents, or one per latent")
+    return samples, flat, count
+
+
+def existing(name: str) -> tuple[dict[str, torch.Tensor], int]:
+    """An existing LoRA to go on training (safetensors only) and the steps its name records, as core reads them
+    (``<prefix>_<steps>_steps_<date>``)."""
+    if name == NO_LORA:
+        return {}, 0
+    import folder_paths
+
+    path = folder_paths.get_full_path_or_raise("loras", name)
+    try:
+        steps = int(name.split("_steps_")[0].split("_")[-1])
+    except ValueError:
+        steps = 0
+    return comfy.utils.load_torch_file(path, safe_load=True), steps
+
+
+def first_adapters(base, settings: TrainSettings, existing_weights: dict[str, torch.Tensor]
+                   ) -> tuple[list[dict], dict[str, torch.Tensor], list[str]]:
+    """ComfyUI's Train LoRA's adapters for ``base`` (the host's BaseModel, on meta), made as it makes them: every
+    layer with a ``weight_function`` in module order, an existing adapter from ``existing_weights`` or a new one of
+    ``settings.algorithm`` (``create_train``, drawing from the global generator: the caller seeds it), a zero
+    difference for 1-D weights and biases. Returns the ranks' specs (network-relative keys), the first values (LoRA
+    keys, network-relative) and the LoRA keys as core names them, in its order."""
+    from comfy.weight_adapter import adapter_maps, adapters
+
+    dtype = DTYPES[settings.lora_dtype]
+    specs: list[dict] = []
+    first: dict[str, torch.Tensor] = {}
+    order: list[str] = []
+    for name, module in base.named_modules():
+        if not hasattr(module, "weight_function"):
+            continue
+        if not name.startswith(NETWORK):
+            raise MgpuError(f"{NODE}: layer {name} is outside the diffusion network the ranks hold")
+        local = name[len(NETWORK):]
+        weight = getattr(module, "weight", None)
+        if weight is not None:
+            if weight.ndim >= 2:
+                key = f"{name}.weight"
+                alpha = float(existing_weights.get(f"{key}.alpha", 1.0))
+                loaded = next((a for a in (cls.load(name, existing_weights, alpha, existing_weights.get(
+                    f"{key}.dora_scale")) for cls in adapters) if a is not None), None)
+                if loaded is not None:
+                    adapter = loaded.to_train().to(dtype)
+                else:   # the shape and device are all create_train reads of the weight: no weight memory here
+                    standin = SimpleNamespace(shape=weight.shape, device=torch.device("cpu"), dtype=weight.dtype)
+                    adapter = adapter_maps[settings.algorithm].create_train(standin, rank=settings.rank,
+                                                                            alpha=1.0).to(dtype)
+                specs.append({"key": f"{local}.weight", "kind": "adapter"})
+                for pname, param in adapter.named_parameters():
+                    first[f"{local}.{pname}"] = param.detach()
+                    order.append(f"{name}.{pname}")
+            else:
+                specs.append({"key": f"{local}.weight", "kind": "diff"})
+                first[f"{local}.diff"] = torch.zeros(weight.shape, dtype=dtype)
+                order.append(f"{name}.diff")
+        if getattr(module, "bias", None) is not None:
+            specs.append({"key": f"{local}.bias", "kind": "diff"})
+            first[f"{local}.diff_b"] = torch.zeros(module.bias.shape, dtype=dtype)
+            order.append(f"{name}.diff_b")
+    if not specs:
+        raise MgpuError(f"{NODE}: the model has no ComfyUI layer to train an adapter on")
+    return specs, first, order
+
+
+class TrainingForward(RemoteForward):
+    """The network's ``_forward`` during a run: the ranks' forward as a node of the host's graph."""
+
+    def __init__(self, remote: RemoteForward, run: TrainingRun):
+        super().__init__(remote.sharded, remote.label, remote.signature)
+        self.run = run
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        named, x, _ = self.bind(args, kwargs)
+        return self.run.network(**named).to(x.device)
+
+
+class RemoteOptimizer:
+    """What ComfyUI's TrainSampler sees as its optimizer: the adapters live on the ranks (no parameter here),
+    ``step`` runs there; one progress update per optimizer step, with the loss."""
+
+    param_groups: list = []
+
+    def __init__(self, run: TrainingRun, steps: int, losses: list[float], node_id: str | None):
+        self.run, self.losses, self.node_id = run, losses, node_id
+        self.bar = comfy.utils.ProgressBar(steps)
+        self.done = 0
+
+    def step(self) -> None:
+        self.run.step()
+        self.done += 1
+        loss = self.losses[-1] if self.losses else float("nan")
+        log.info("%s: step %d of %d, loss %.5f", NODE, self.done, self.bar.total, loss)
+        _progress_text(f"step {self.done}/{self.bar.total}  loss {loss:.4f}", self.node_id)
+        self.bar.update(1)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The ranks clear their gradients after their step."""
+
+
+def _progress_text(text: str, node_id: str | None) -> None:
+    try:
+        from server import PromptServer
+
+        send = getattr(PromptServer.instance, "send_progress_text", None)   # ComfyUI 0.33
+        if send is not None and node_id is not None:
+            send(text, node_id)
+    except (ImportError, AttributeError):
+        pass
+
+
+def train(model, latents: list[dict], positive: list, settings: TrainSettings,
+          node_id: str | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """Train a LoRA on the ranks of ``model`` (MGPU Load Diffusion Model on fsdp); returns core's outputs:
+    ``LORA_MODEL`` (keys as core names them), ``LOSS_MAP``, the steps."""
+    settings.check()
+    if not isinstance(model, ShardedModelPatcher):
+        raise MgpuError(f"{NODE}: this MODEL is not sharded over FSDP ranks: load it with MGPU Load Diffusion "
+                        "Model on device fsdp, or train it on one device with ComfyUI's Train LoRA")
+    samples, conds, count = dataset(latents, positive)
+    existing_weights, existing_steps = existing(settings.existing_lora)
+    import comfy_extras.nodes_custom_sampler as custom_sampler
+    from comfy_extras.nodes_train import TrainSampler
+
+    dtype = DTYPES[settings.training_dtype]
+    with torch.inference_mode(False), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        specs, first, order = first_adapters(model.model, settings, existing_weights)
+        mp = model.clone()
+        mp.set_model_compute_dtype(dtype)
+        remote = mp.object_patches[REMOTE_FORWARD]
+        run = TrainingRun(remote.sharded, cancelled=mm.processing_interrupted)
+        mp.add_object_patch(REMOTE_FORWARD, TrainingForward(remote, run))
+        losses: list[float] = []
+        optimizer = RemoteOptimizer(run, settings.steps, losses, node_id)
+        kwargs = {"loss_callback": losses.append, "batch_size": settings.batch_size,
+                  "grad_acc": settings.grad_accumulation_steps,
+                  "total_steps": settings.steps * settings.grad_accumulation_steps, "seed": settings.seed,
+                  "training_dtype": dtype}
+        accepted = inspect.signature(TrainSampler.__init__).parameters
+        sampler = TrainSampler(LOSSES[settings.loss_function](), optimizer,
+                               **{k: v for k, v in kwargs.items() if k in accepted})
+        guider = custom_sampler.Guider_Basic(mp)
+        guider.set_conds(conds)
+        label = remote.label
+        try:
+            started = run.start(specs, first, factory=FACTORY, mode=MODE, optimizer=settings.optimizer,
+                                learning_rate=settings.learning_rate, training_dtype=settings.training_dtype,
+                                lora_dtype=settings.lora_dtype, gradient_checkpointing=settings.gradient_checkpointing)
+            log.info("%s: %d adapters (%s trainable, rank %d) on every rank of %s; gradient checkpointing %s",
+                     NODE, started["adapters"], format_bytes(started["adapter_bytes"]), settings.rank, label,
+                     f"on ({started['checkpointed_units']} units)" if settings.gradient_checkpointing else "off")
+            samples = samples.to(dtype)
+            noise = custom_sampler.Noise_RandomNoise(settings.seed)
+            guider.sample(noise.generate_noise({"samples": samples}), samples, sampler,
+                          torch.tensor(range(count)), seed=noise.seed)
+            trained = run.adapters()
+        except RankFailure as exc:
+            raise pools.explain(exc, f"{NODE}: training on {label}") from exc
+        except CallCancelled as exc:
+            raise_interrupted(exc, f"{NODE} (training on {label}; nothing of this run is kept yet)")
+        finally:
+            _stop(run, label)
+    log.info("%s: %d optimizer steps; bytes per run: outputs %s, their gradients %s, adapter gradients summed %s "
+             "per rank", NODE, optimizer.done, *(format_bytes(run.bytes[k]) for k in
+                                                  ("outputs", "output_grads", "adapter_reduce")))
+    lora = {key: trained[key[len(NETWORK):]].to(DTYPES[settings.lora_dtype]) for key in order}
+    return lora, {"loss": losses}, settings.steps + existing_steps
+
+
+def _stop(run: TrainingRun, label: str) -> None:
+    """End the run on the ranks, whatever ended the loop; the model samples as before. Never raises: the loop's
+    own outcome is what the user must see."""
+    try:
+        run.stop()
+    except Exception as exc:   # noqa: BLE001 - a dead pool is rebuilt (and the model reloaded) by its next use
+        log.warning("%s: the ranks of %s did not end the training run cleanly (%s); the next use of the model "
+                    "restarts them", NODE, label, exc)

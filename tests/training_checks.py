@@ -1,0 +1,109 @@
+"""Training checks that run inside a ComfyUI interpreter on the CPU (tests/test_comfyui_train.py starts one per
+check): ComfyUI's own Train LoRA on a one-device model against MGPU Train LoRA on the same file sharded over cpu
+ranks, same seed and data."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+WAN = "mgpu_train_wan.safetensors"
+TEXT_WIDTH = 4096
+
+
+def _data(rows: int, seed: int = 5, captions: int = 1) -> tuple[dict, list]:
+    """A tiny Wan dataset: ``rows`` latents (16 channels, 2 frames of 8 x 8) and ``captions`` conditionings."""
+    g = torch.Generator().manual_seed(seed)
+    latent = {"samples": torch.randn(rows, 16, 2, 8, 8, generator=g)}
+    conds = [[torch.randn(1, 6, TEXT_WIDTH, generator=g), {}] for _ in range(captions)]
+    return latent, conds
+
+
+def _core_train(model, latent: dict, conds: list, settings: dict) -> tuple[dict, list]:
+    """ComfyUI's own Train LoRA node, run right after ``torch.manual_seed(seed)`` (it draws from the global
+    generator), whichever of its two forms this ComfyUI has."""
+    from comfy_extras import nodes_train
+
+    node = nodes_train.TrainLoraNode
+    torch.manual_seed(settings["seed"])
+    if hasattr(node, "define_schema"):   # ComfyUI 0.33: V3, every input a list
+        params = inspect.signature(node.execute).parameters
+        defaults = {"quantized_backward": False, "checkpoint_depth": 1, "offloading": False, "bucket_mode": False,
+                    "bypass_mode": False}
+        args = {"model": model, "latents": latent, "positive": conds, **settings, **defaults}
+        listed = {k: [v] for k, v in args.items() if k in params}
+        out = node.execute(**listed)
+        lora, loss = out.result[0], out.result[1]
+    else:   # 0.3.64: a V1 node with one LATENT
+        _, lora, loss, _ = node().train(model=model, latents=latent, positive=conds, **settings)
+    return lora, loss["loss"]
+
+
+def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int = 2, captions: int = 1,
+                            file_dtype: str = "float32") -> dict:
+    """The same LoRA from core Train LoRA (one device) and MGPU Train LoRA (``ranks`` fsdp cpu ranks)."""
+    import comfy.sd
+    import folder_paths
+
+    from comfy_checkpoints import write_tiny_wan21_t2v
+    from loaders import diffusion, training
+
+    path = write_tiny_wan21_t2v(Path(folder) / WAN, dtype=getattr(torch, file_dtype))
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    latent, conds = _data(rows, captions=captions)
+    core_lora, core_loss = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
+    threads = torch.get_num_threads()   # core against itself with another thread count: the float noise floor
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        core_again, _ = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
+    finally:
+        torch.set_num_threads(threads)
+
+    sharded = diffusion.load(WAN, "default", "fsdp", ranks)
+    before = _sample_once(sharded)
+    ours, loss_map, steps = training.train(sharded, [latent], [conds], training.TrainSettings(**settings))
+    after = _sample_once(sharded)   # the model samples as before the run: the adapters came off the ranks
+    # the loop closed: the trained LoRA through stock Load LoRA Model, on the same sharded MODEL and on one device
+    one_device = comfy.sd.load_diffusion_model(str(path))
+    with_lora = [_sample_once(_with_lora(m, ours)) for m in (sharded, one_device)]
+    before_keys = list(core_lora)
+    common = [k for k in before_keys if k in ours]
+    worst = max(((ours[k].float() - core_lora[k].float()).abs().max() /
+                 core_lora[k].float().abs().max().clamp_min(1e-12)).item() for k in common)
+    norm = sum((core_lora[k].float() ** 2).sum().item() for k in common)
+
+    def relative_l2(lora: dict) -> float:
+        return (sum(((lora[k].float() - core_lora[k].float()) ** 2).sum().item() for k in common) / norm) ** 0.5
+    moved = max(ours[k].float().abs().max().item() for k in before_keys if k.endswith("lora_down.weight"))
+    return {"core_keys": before_keys, "keys": list(ours), "worst_relative": worst, "relative_l2": relative_l2(ours),
+            "core_vs_core_l2": relative_l2(core_again),
+            "dtypes": sorted({str(v.dtype) for v in ours.values()}), "core_dtypes": sorted({str(v.dtype) for v in
+                                                                                           core_lora.values()}),
+            "core_loss": core_loss, "loss": loss_map["loss"], "steps": steps, "down_max": moved,
+            "unchanged_after_run": torch.equal(before, after),
+            "lora_sample_diff": (with_lora[0] - with_lora[1]).abs().max().item(),
+            "lora_moves_sample": (with_lora[1] - _sample_once(one_device)).abs().max().item()}
+
+
+def _with_lora(model, lora: dict):
+    """Stock Load LoRA Model (ComfyUI's own node, either form) on ``model``."""
+    from comfy_extras import nodes_train
+
+    node = nodes_train.LoraModelLoader
+    if hasattr(node, "define_schema"):
+        return node.execute(model, lora, 1.0).result[0]
+    return node().load_lora_model(model, lora, 1.0)[0]
+
+
+def _sample_once(model) -> torch.Tensor:
+    """One cfg-1 Euler step, as KSampler runs it."""
+    import comfy.sample
+
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    pos = [[torch.randn(1, 6, TEXT_WIDTH, generator=torch.Generator().manual_seed(1)), {}]]
+    noise = comfy.sample.prepare_noise(latent, 1)
+    out = comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", pos, pos, latent, seed=1, disable_pbar=True)
+    assert torch.isfinite(out).all()
+    return out
