@@ -21,6 +21,17 @@ def _data(rows: int, seed: int = 5, captions: int = 1) -> tuple[dict, list]:
     return latent, conds
 
 
+def _write_wan(path: Path, file_dtype: str) -> Path:
+    """The tiny Wan in ``file_dtype``; ``fp8``: as plain fp8 files store it (matrices float8_e4m3fn, the rest
+    fp32)."""
+    from comfy_checkpoints import random_state_dict, save_checkpoint, wan21_dit_shapes, write_tiny_wan21_t2v
+
+    if file_dtype != "fp8":
+        return write_tiny_wan21_t2v(path, dtype=getattr(torch, file_dtype))
+    sd = random_state_dict(wan21_dit_shapes(), dtype=torch.float32)
+    return save_checkpoint(path, {k: v.to(torch.float8_e4m3fn) if v.ndim >= 2 else v for k, v in sd.items()})
+
+
 def _core_train(model, latent: dict, conds: list, settings: dict) -> tuple[dict, list]:
     """ComfyUI's own Train LoRA node, run right after ``torch.manual_seed(seed)`` (it draws from the global
     generator), whichever of its two forms this ComfyUI has."""
@@ -47,10 +58,9 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
     import comfy.sd
     import folder_paths
 
-    from comfy_checkpoints import write_tiny_wan21_t2v
     from loaders import diffusion, training
 
-    path = write_tiny_wan21_t2v(Path(folder) / WAN, dtype=getattr(torch, file_dtype))
+    path = _write_wan(Path(folder) / WAN, file_dtype)
     folder_paths.add_model_folder_path("diffusion_models", folder)
     latent, conds = _data(rows, captions=captions)
     core_lora, core_loss = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
