@@ -144,22 +144,29 @@ def test_gpu_check_watchdog_ends_a_hung_run_and_its_ranks():
     assert _work_dirs() == before, "the killed run left its temporary files"
 
 
-@pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
+def _calibrate(tmp_path_factory, *args: str) -> tuple[dict, str]:
     comfyui = find_comfyui()
     if comfyui is None:
         pytest.skip(SKIP_REASON)
     out = tmp_path_factory.mktemp("calibrate") / "report.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "calibrate_memory.py"), "--tokens", "512", "1024",
-                           "--families", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b", "ltxv-2b", "ltxv-13b",
-                           "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(BENCH / "calibrate_memory.py"), *args, "--json", str(out)],
                           capture_output=True, text=True, timeout=900, env={**ENV, "COMFYUI_PATH": str(comfyui)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| wan2.1-t2v-14b | 1280x720x81 | 75,600 |" in proc.stdout
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
 
 
-@pytest.mark.timeout(900)
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """Every family's restated ComfyUI rules (header-only models on meta: no forward), and the measured peaks of
+    the smallest Wan and LTX-Video blocks at real dimensions (the 14B and 13B blocks measure the same per-token rule
+    at 4-10x the CPU time: bench/RESULTS.md has their rows)."""
+    rules, stdout = _calibrate(tmp_path_factory, "--tokens", "--families", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b",
+                               "wan2.2-ti2v-5b", "ltxv-2b", "ltxv-13b")
+    assert "| wan2.1-t2v-14b | 1280x720x81 | 75,600 |" in stdout
+    measured, _ = _calibrate(tmp_path_factory, "--tokens", "256", "512", "--families", "wan2.1-t2v-1.3b", "ltxv-2b")
+    return {**rules, "measured_dits": measured["dits"]}
+
+
 def test_restated_comfyui_rules_equal_comfyuis_own(calibration):
     """mgpu restates ComfyUI's reservations (it cannot import ComfyUI): they must be what this ComfyUI computes."""
     assert calibration["extra_reserved_memory"] == COMFYUI_EXTRA_RESERVED_BYTES
@@ -178,6 +185,8 @@ def test_restated_comfyui_rules_equal_comfyuis_own(calibration):
 def test_calibrated_formula_covers_comfyuis_measured_peaks(calibration):
     """The live-tensor peak of ComfyUI's own one-block network grows per token no faster than our formula, and the
     budget rule gives a single GPU at least ComfyUI's own reservation."""
-    for row in calibration["dits"]:
+    assert len(calibration["measured_dits"]) == 2
+    for row in calibration["measured_dits"]:
         assert 0 < row["measured_bytes_per_token"] <= row["ours_bytes_per_token"], row["family"]
-        assert row["ours_working_single"] >= row["comfyui_reservation"] + CUDA_OVERHEAD_BYTES
+    for row in calibration["dits"]:
+        assert row["ours_working_single"] >= row["comfyui_reservation"] + CUDA_OVERHEAD_BYTES, row["family"]
