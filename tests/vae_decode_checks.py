@@ -148,10 +148,10 @@ def check_wan_video(_folder: str) -> dict:
 
 
 def check_image(_folder: str) -> dict:
-    """An image VAE (ComfyUI tiles it three times over, 2-D): a batch of 2 latents 4 x 24 x 40."""
+    """An image VAE (ComfyUI tiles it three times over, 2-D): a batch of 2 latents 4 x 16 x 24."""
     vae = image_vae()
     calls = Calls(type(vae.first_stage_model))
-    samples = latent(2, 4, 24, 40)
+    samples = latent(2, 4, 16, 24)
     with torch.inference_mode():
         ref = stock(vae, samples)
         tiles = len(calls.take())
@@ -170,7 +170,7 @@ def check_cancel(_folder: str) -> dict:
 
     vae = image_vae()
     calls = Calls(type(vae.first_stage_model))
-    samples = latent(2, 4, 24, 40)
+    samples = latent(2, 4, 16, 24)
     with torch.inference_mode():
         stock(vae, samples)
         tiles = len(calls.take())
