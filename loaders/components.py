@@ -17,7 +17,7 @@ from mgpu.errors import MgpuError, ShardingError
 from mgpu.planning.devices import gpus
 
 from .model_files import VAE_PREFIX_IN_CHECKPOINT, folder_path
-from .placement import AUTO, CPU, NODE_OF_ROLE, Choice, check_plan_file, live_devices, resolve
+from .placement import AUTO, CPU, NODE_OF_ROLE, Choice, check_plan_file, live_devices, plan_to_follow, resolve
 
 log = logging.getLogger("mgpu")
 
@@ -150,6 +150,8 @@ def load_text_encoder(names: list[str], clip_type: str, device: str, plan=None, 
         raise MgpuError(f"{node}: type {clip_type!r} is not offered by this ComfyUI; pick one of {', '.join(types)}")
     paths = [_path("text_encoder", "text_encoders", n) for n in names]  # before anything is loaded
     check_plan_file(plan, "text_encoder", paths[0])
+    if not split_spec.strip():   # the plan it follows: the connected one, or its own for this file
+        plan = plan_to_follow("text_encoder", paths[0], device, plan)
     choice = None if split_spec.strip() else resolve(device, "text_encoder", plan)
     if choice is None or choice.strategy == SPLIT:
         devices = split_devices(split_spec, plan) if choice is None else list(choice.devices)
@@ -202,7 +204,7 @@ def load_vae(name: str, device: str, plan=None):
 
     path = _path("vae", "vae", name)
     check_plan_file(plan, "vae", path)
-    load = _single_device("vae", resolve(device, "vae", plan))
+    load = _single_device("vae", resolve(device, "vae", plan_to_follow("vae", path, device, plan)))
     sd, metadata = vae_state_dict(path)
     vae = comfy.sd.VAE(sd=sd, device=load, metadata=metadata)
     vae.throw_exception_if_invalid()

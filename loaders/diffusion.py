@@ -45,8 +45,7 @@ from . import weight_patches
 from . import gguf_model
 from .model_files import dit_path
 from .plan_check import add_plan_check
-from .placement import (AUTO, FSDP, NODE_OF_ROLE, available_devices, check_plan_file, host_context_gpus,
-                        resolve)
+from .placement import AUTO, FSDP, NODE_OF_ROLE, check_plan_file, plan_to_follow, resolve
 from .rank_factory import (agree_dtype, detect, fp8_compute_summary, load_layers_on_meta, numeric_flags, quantized,
                            refuse_unknown_family)
 
@@ -70,30 +69,31 @@ _handles = itertools.count()
 
 def load(unet_name: str, weight_dtype: str, device: str, fsdp_ranks: int, plan=None, slot: tuple | None = None,
          sequence_parallel: str = "auto"):
-    """The MODEL for MGPU Load Diffusion Model. ``weight_dtype`` "default" follows the plan's recast, if any;
-    ``slot`` names the loader node (``loader_slot``): its previous FSDP model leaves the GPUs first."""
+    """The MODEL for MGPU Load Diffusion Model: on ``device``, or (auto, fsdp) where the plan it follows puts it,
+    the connected MGPU Plan or its own for this file (``placement.plan_to_follow``). ``weight_dtype`` "default"
+    follows the plan's recast, if any; ``slot`` names the loader node (``loader_slot``): its previous FSDP model
+    leaves the GPUs first."""
     if sequence_parallel not in SEQUENCE_PARALLEL:
         raise MgpuError(f"{NODE}: sequence_parallel must be one of {', '.join(SEQUENCE_PARALLEL)}, "
                         f"got {sequence_parallel!r}")
     path = checked_file(unet_name)
     check_plan_file(plan, "dit", path)
-    choice = resolve(device, "dit", plan)
+    if device in (AUTO, FSDP):   # a plan of its own weighs the room once the model this loader replaces has left
+        pools.release_garbage()
+        pools.vacate(slot)
+    followed = plan_to_follow("dit", path, device, plan, weight_dtype=weight_dtype, fsdp_ranks=fsdp_ranks)
+    choice = resolve(device, "dit", followed)
     dtype = WEIGHT_DTYPES[weight_dtype] or WEIGHT_DTYPES.get(choice.weight_dtype or "default")
     if is_gguf(path):
         gguf_model.check_load(unet_name, NODE, choice.strategy, dtype)
     log.info("%s: %s (%s)", NODE, unet_name, choice.reason)
     if choice.strategy == "fsdp":
-        devices = pools.fsdp_devices(choice.devices, fsdp_ranks)
-        reshard = choice.reshard_after_forward
-        if reshard is None:   # the room is weighed once the model this loader replaces has left the GPUs
-            pools.release_garbage()
-            pools.vacate(slot)
-            reshard = not keeps_gathered(path, dtype, devices, planned=plan is not None)
-        sp = 1 if sequence_parallel == "off" else choice.sp_degree or len(devices)
-        patcher = load_fsdp(path, unet_name, devices, dtype, reshard, slot, sp_degree=sp, plan=plan)
+        sp = 1 if sequence_parallel == "off" else choice.sp_degree
+        patcher = load_fsdp(path, unet_name, choice.devices, dtype, choice.reshard_after_forward, slot,
+                            sp_degree=sp, plan=followed)
     else:
         patcher = load_single(path, torch.device(choice.devices[0]), dtype)   # "offload": ComfyUI's partial loading
-    if plan is not None and plan.placement("dit") is not None:
+    if plan is not None and plan.placement("dit") is not None:   # the prompt's size against the MGPU Plan's
         add_plan_check(patcher, size_component(path), plan, f"{NODE} ({unet_name})")
     return patcher
 
@@ -126,25 +126,6 @@ def queue_check(unet_name: str, device: str) -> str | None:
     except MgpuError as exc:
         return str(exc)
     return None
-
-
-def keeps_gathered(path: str, dtype: str | None, devices: list[str], planned: bool = False) -> bool:
-    """No MGPU Plan connected, or one that does not shard the DiT (``planned``: device fsdp chosen on the node):
-    decide like a plan for the DiT alone on these ranks (its default workload) whether the gathered weights can stay
-    between steps, from the file's header and the devices' free memory now."""
-    from mgpu.planning.estimates import Workload
-    from mgpu.planning.partition import Component, Policy, keep_gathered
-
-    machine = available_devices()   # what our ranks and ComfyUI's cached models hold counts as ours
-    live = {d.id: d for d in machine}
-    try:
-        keep, why = keep_gathered(Component("dit", size_component(path), dtype), [live[d] for d in devices],
-                                  Workload(), Policy(host_context_gpus=host_context_gpus(machine)))
-    except (MgpuError, KeyError) as exc:
-        keep, why = False, f"the gathered weights are freed after every step: cannot size the model here ({exc})"
-    log.info("%s: %s: %s", NODE, "the MGPU Plan does not shard the DiT (device fsdp chosen here)" if planned
-             else "no MGPU Plan", why)
-    return keep
 
 
 def loader_slot(node_id: str | None, extra_pnginfo: dict | None) -> tuple | None:
@@ -405,12 +386,12 @@ class _ComfyShardedModule(PatchedModule):
         return replies
 
 
-def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool = True,
-              slot: tuple | None = None, sp_degree: int = 1, plan=None):
+def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, reshard_after_forward: bool,
+              slot: tuple | None, sp_degree: int, plan):
     """A weightless MODEL whose network is sharded over ``devices``; the ranks load it now, so errors show here.
     ``sp_degree``: ranks that split each video's tokens (lowered on the ranks to one the heads allow). Beside other
-    models on these ranks it stays, or takes turns with them, as ``plan`` or the ranks' free memory says
-    (``loaders.experts``)."""
+    models on these ranks it stays, or takes turns with them, as ``plan`` (the one ``load`` follows) or the ranks'
+    free memory says (``loaders.experts``)."""
     pools.release_garbage()   # a model this one replaces leaves the GPUs first
     model_config, sd, prefix = detect(path)
     handle = f"dit-{next(_handles)}"
@@ -425,7 +406,7 @@ def load_fsdp(path: str, name: str, devices: list[str], dtype: str | None, resha
     began = time.perf_counter()
     try:
         pools.occupy(slot, sharded)   # this loader's previous model is not one to share the ranks with
-        experts.share_ranks(sharded, plan, dtype, not reshard_after_forward, NODE)
+        experts.share_ranks(sharded, plan, NODE)
         sharded.load(cancelled=mm.processing_interrupted)
         degrees = sharded.load_replies[0].get("layout", {}).get("degrees", [1])
         log.info("%s: %s loaded in %.1f s (%s, compute %s; sequence-parallel degrees %s, chosen per step after the "

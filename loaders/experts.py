@@ -1,13 +1,13 @@
 """Two diffusion models on the same FSDP ranks (Wan 2.2 A14B's experts): both resident, or one at a time.
 
 An MGPU Plan that names both experts decides (``Plan.expert``: the loader finds its own expert by its file).
-Without one, a loader whose ranks already hold another model asks the ranks for their free memory and weighs its
-own need as the planner does (``mgpu.planning.partition.fits_beside``). One at a time means ``pools.take_turns``:
-every (re)load of one frees the others first (``pools.make_room``), so two experts' shards plus a gathered block
-never sit on a rank together; the price is a reload at each switch, which ``_ComfyShardedModule.load`` logs with
-its seconds.
+Otherwise, a loader whose ranks already hold another model weighs what its plan (the connected one, or its own:
+``placement.plan_to_follow``) says each rank holds of it (``Placement.rank_need``) against the free memory the ranks
+report (``mgpu.planning.partition.fits_beside``). One at a time means ``pools.take_turns``: every (re)load of one
+frees the others first (``pools.make_room``), so two experts' shards plus a gathered block never sit on a rank
+together; the price is a reload at each switch, which ``_ComfyShardedModule.load`` logs with its seconds.
 
-No ComfyUI import here: the decision is plain bookkeeping over the pool, the plan and the file's header.
+No ComfyUI import here: the decision is plain bookkeeping over the pool and the plan.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import logging
 import os
 
 from mgpu.planning.devices import format_bytes
-from mgpu.planning.estimates import Workload
-from mgpu.planning.partition import ONE_AT_A_TIME, Component, fits_beside
-from mgpu.planning.sizing import size_component
+from mgpu.planning.partition import ONE_AT_A_TIME, fits_beside
 
 from . import pools
+from .placement import is_own
 
 log = logging.getLogger("mgpu")
 
@@ -38,11 +37,11 @@ def kept_gathered(sharded) -> int:
     return int(sharded.load_replies[0].get("gathered_bytes_per_forward", 0))
 
 
-def share_ranks(sharded, plan, dtype: str | None, keep: bool, node: str) -> str | None:
+def share_ranks(sharded, plan, node: str) -> str | None:
     """Decide, before ``sharded`` loads, whether it stays beside the models already on its ranks or takes turns
-    with them; log why. Returns ``ONE_AT_A_TIME`` when it takes turns, else None. ``keep``: it keeps its gathered
-    weights between steps; ``dtype``: its weight dtype as the loader sizes it (None: as stored)."""
-    placed = plan.expert(sharded.spec.checkpoint) if plan is not None else None
+    with them; log why. Returns ``ONE_AT_A_TIME`` when it takes turns, else None. ``plan``: the plan its loader
+    follows, which shards it over these ranks."""
+    placed = plan.expert(sharded.spec.checkpoint)
     if placed is not None and placed.strategy == "fsdp":
         turns = placed.experts == ONE_AT_A_TIME
         if turns:   # with the other expert too, should its loader not follow this plan
@@ -55,15 +54,16 @@ def share_ranks(sharded, plan, dtype: str | None, keep: bool, node: str) -> str 
         return None
     ranks = pools.rank_memory(sharded.pool)
     held = sum(kept_gathered(o) for o in others)
-    fits, why = fits_beside(Component("dit", size_component(sharded.spec.checkpoint), dtype), ranks, Workload(),
-                            keep=keep, held=held)
+    fits, why = fits_beside(plan.placement("dit").rank_need, ranks, keep=not sharded.spec.reshard_after_forward,
+                            held=held)
     names = ", ".join(_name(o) for o in others)
     free = ", ".join(f"rank {i} {format_bytes(d.free_bytes)}" for i, d in enumerate(ranks))
+    whose = "no MGPU Plan" if is_own(plan) else "the MGPU Plan names one DiT"
     if fits:
-        log.info("%s: no MGPU Plan: %s stays on the FSDP ranks beside %s: it needs %s (free now: %s)", node,
+        log.info("%s: %s: %s stays on the FSDP ranks beside %s: it needs %s (free now: %s)", node, whose,
                  _name(sharded), names, why, free)
         return None
     pools.take_turns(sharded, others)
-    log.info("%s: no MGPU Plan: %s takes turns with %s on the FSDP ranks, one loaded at a time (each switch "
-             "reloads one): it needs %s (free now: %s)", node, _name(sharded), names, why, free)
+    log.info("%s: %s: %s takes turns with %s on the FSDP ranks, one loaded at a time (each switch reloads one): it "
+             "needs %s (free now: %s)", node, whose, _name(sharded), names, why, free)
     return ONE_AT_A_TIME

@@ -2,7 +2,8 @@
 
 Combo VALUES are plain ids ("auto", "cpu", "cuda:N", "fsdp") so a saved workflow keeps working when free
 memory or GPU names change; only the LABELS (web extension, GET /mgpu/devices) carry names and memory.
-"auto" follows an MGPU Plan when one is connected, so the plan's decision and the loaders' cannot drift apart.
+"auto" and "fsdp" follow a plan: the MGPU Plan connected to the loader, else one the loader makes for its own file
+(``plan_to_follow``), so a loader decides the same way with or without one.
 
 Importable without ComfyUI: inside ComfyUI, ``comfy.model_management`` is already loaded and its device list
 (``get_all_torch_devices``, ComfyUI 2026) is used when it exists; outside, it is never imported (importing it
@@ -16,11 +17,12 @@ import logging
 import os
 import sys
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mgpu.planning.devices import Device, format_bytes, gpus, host, inventory, reclaim
-from mgpu.errors import MgpuError
-from mgpu.planning.estimates import CUDA_CONTEXT_BYTES
+from mgpu.errors import MgpuError, PlanError
+from mgpu.planning.estimates import CUDA_CONTEXT_BYTES, Workload
+from mgpu.planning.partition import Component, Policy, make_plan
 
 log = logging.getLogger("mgpu")
 
@@ -47,9 +49,9 @@ class Choice:
     devices: list[str]
     weight_dtype: str | None
     reason: str
-    # fsdp: False keeps the gathered weights between steps (the plan's call); None: no plan, the loader decides
-    reshard_after_forward: bool | None = True
-    # fsdp: the plan's sequence-parallel degree (mgpu.planning.parallel); None: no plan, the loader decides
+    # fsdp: False keeps the gathered weights between steps (the plan's call)
+    reshard_after_forward: bool = True
+    # fsdp: the sequence-parallel degree the plan has the ranks set up (mgpu.planning.partition.sequence_degree)
     sp_degree: int | None = None
 
 
@@ -213,49 +215,49 @@ def _recast(dtype: str | None) -> str | None:
     return dtype if dtype in RECAST_DTYPES else None
 
 
+def is_own(plan) -> bool:
+    """Whether ``plan`` is a loader's own (``plan_to_follow``), not an MGPU Plan's."""
+    return bool(plan.policy.get("implicit"))
+
+
 def _fsdp(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
     placed = plan.placement("dit") if plan is not None else None
-    if placed is not None and placed.strategy == "fsdp":
-        _check_exists(role, placed.devices, devices, choices, " (the MGPU Plan shards the DiT over it)")
-        return Choice("fsdp", list(placed.devices), _recast(placed.weight_dtype),
-                      f"fsdp over the plan's {len(placed.devices)} GPUs: {', '.join(placed.devices)}",
-                      placed.reshard_after_forward, placed.sp_degree)
-    dtype = _recast(placed.weight_dtype) if placed is not None else None
-    gpu_ids = [d.id for d in gpus(devices)]
-    if gpu_ids:
-        return Choice("fsdp", gpu_ids, dtype, f"fsdp over all {len(gpu_ids)} GPUs: {', '.join(gpu_ids)}", None)
-    return Choice("fsdp", [CPU] * CPU_FSDP_RANKS, dtype,
-                  f"no GPU: fsdp over {CPU_FSDP_RANKS} CPU ranks (gloo; correct but slow)", None)
+    if placed is None or placed.strategy != "fsdp":
+        raise ValueError("fsdp follows a plan that shards the DiT: loaders.placement.plan_to_follow gives one")
+    _check_exists(role, placed.devices, devices, choices, " (the MGPU Plan shards the DiT over it)")
+    n, on = len(placed.devices), ", ".join(placed.devices)
+    reason = (f"fsdp over the plan's {n} GPUs: {on}" if not is_own(plan)
+              else f"fsdp over {n} GPUs: {on}" if placed.devices[0] != CPU
+              else f"no GPU: fsdp over {n} CPU ranks (gloo; correct but slow)")
+    return Choice("fsdp", list(placed.devices), _recast(placed.weight_dtype), reason, placed.reshard_after_forward,
+                  placed.sp_degree)
 
 
 def _auto(role: str, plan, devices: list[Device], choices: list[str]) -> Choice:
     placed = plan.placement(role) if plan is not None else None
-    if placed is not None and role == "vae" and placed.strategy == SPLIT:
-        return _split_decode_home(placed, devices, choices)
-    if placed is not None:
-        _check_exists(role, placed.devices, devices, choices,
-                      f" (the MGPU Plan places the {_LABEL_OF_ROLE[role]} there: make the plan with devices "
-                      f"'auto' for this machine, or pick a device on this node)")
-        fsdp = placed.strategy == "fsdp"
-        return Choice(placed.strategy, list(placed.devices), _recast(placed.weight_dtype),
-                      f"auto: following the plan ({placed.strategy} on {', '.join(placed.devices)})",
-                      placed.reshard_after_forward if fsdp else True, placed.sp_degree if fsdp else None)
-    gpu_list = gpus(devices)
-    if gpu_list:
-        best = max(gpu_list, key=lambda d: (d.free_bytes, -d.index))
-        return Choice("single", [best.id], None, f"auto: {best.id} has the most free memory "
-                                                 f"({format_bytes(best.free_bytes)})")
-    return Choice("cpu", [CPU], None, "auto: no GPU, so the cpu")
+    if placed is None:
+        raise ValueError(f"auto follows a plan that places the {_LABEL_OF_ROLE[role]}: "
+                         "loaders.placement.plan_to_follow gives one")
+    following = "following a plan for this file alone" if is_own(plan) else "following the plan"
+    if role == "vae" and placed.strategy == SPLIT:
+        return _split_decode_home(placed, devices, choices, following)
+    _check_exists(role, placed.devices, devices, choices,
+                  f" (the MGPU Plan places the {_LABEL_OF_ROLE[role]} there: make the plan with devices "
+                  f"'auto' for this machine, or pick a device on this node)")
+    fsdp = placed.strategy == "fsdp"
+    return Choice(placed.strategy, list(placed.devices), _recast(placed.weight_dtype),
+                  f"auto: {following} ({placed.strategy} on {', '.join(placed.devices)})",
+                  placed.reshard_after_forward if fsdp else True, placed.sp_degree if fsdp else None)
 
 
-def _split_decode_home(placed, devices: list[Device], choices: list[str]) -> Choice:
+def _split_decode_home(placed, devices: list[Device], choices: list[str], following: str) -> Choice:
     """A plan that splits the VAE's decode over several GPUs (MGPU VAE Decode) loads the VAE on the first of them;
     the others get their copies from MGPU VAE Decode, which checks them itself."""
     home = placed.devices[0]
     _check_exists("vae", [home], devices, choices,
                   " (the MGPU Plan loads the VAE there: make the plan with devices 'auto' for this machine, or pick "
                   "a device on this node)")
-    return Choice("single", [home], None, f"auto: following the plan (the VAE on {home}; MGPU VAE Decode splits "
+    return Choice("single", [home], None, f"auto: {following} (the VAE on {home}; MGPU VAE Decode splits "
                                           f"its decode over {', '.join(placed.devices)})")
 
 
@@ -275,12 +277,79 @@ def check_plan_file(plan, role: str, path: str) -> None:
                     "MGPU Plan and here, or disconnect the plan")
 
 
+def plan_to_follow(role: str, path: str, choice: str, plan=None, *, weight_dtype: str | None = None,
+                   fsdp_ranks: int = 0, devices: list[Device] | None = None):
+    """The one plan the loader for ``role`` follows with device ``choice``: the connected MGPU Plan where it decides
+    for this loader, else the loader's own (``Policy.implicit``), made by the planner MGPU Plan uses
+    (``partition.make_plan``, the file sized as ``model_files.make_plan_for`` sizes it) for what the loader knows: its
+    own file at ``path`` (``weight_dtype``: the node's,
+    one of ``model_files.DIT_DTYPES``; "default": the connected plan's recast, or as stored), the connected plan's
+    workload and policy or the defaults, and this machine as ``available_devices`` sees it (``devices`` replaces it:
+    tests). ``resolve(choice, role, plan)`` then decides with the same code either way. An explicit device needs no
+    plan: ``plan`` comes back as it is.
+
+    A DiT on fsdp, or a plan sharding it over other ranks than ``fsdp_ranks`` keeps (``pools.fsdp_devices``), gets a
+    plan for exactly those ranks (``Policy.fsdp_devices``): the connected plan's group, else every GPU, else cpu
+    ranks. The loader's own plan is logged with its reasons, after why it was made ("no MGPU Plan: ...")."""
+    from . import model_files as mf   # it imports this module
+
+    if choice not in (AUTO, FSDP):
+        return plan
+    placed = plan.placement(role) if plan is not None else None
+    if placed is not None and (choice == AUTO or placed.strategy == "fsdp"):
+        followed, why = plan, None
+    else:
+        followed = None
+        why = ("no MGPU Plan" if plan is None else f"the MGPU Plan does not place the {_LABEL_OF_ROLE[role]}"
+               if placed is None else "the MGPU Plan does not shard the DiT (device fsdp chosen here)")
+    machine: list[Device] = []
+
+    def this_machine() -> list[Device]:
+        if not machine:   # read once, and only when a plan is made
+            machine.extend(available_devices() if devices is None else devices)
+        return machine
+
+    def own(fsdp_devices: list[str] = ()):
+        """The loader's own plan for its file alone; sharded over ``fsdp_devices`` if given."""
+        dtype = None
+        if role == "dit":
+            dtype = (weight_dtype if weight_dtype not in (None, "default")
+                     else _recast(placed.weight_dtype) if placed is not None else None)
+        policy = replace(Policy(**plan.policy) if plan is not None else Policy(), implicit=True,
+                         host_context_gpus=host_context_gpus(this_machine()), fsdp_devices=tuple(fsdp_devices))
+        workload = Workload(**plan.workload) if plan is not None else Workload()
+        try:
+            return make_plan([Component(role, mf.component_size(role, path), dtype)], this_machine(), workload,
+                             policy)
+        except PlanError as exc:
+            raise PlanError(f"{_node(role)}: {why}: {exc}", exc.needs) from None
+
+    if followed is None and not (role == "dit" and choice == FSDP):
+        followed = own()
+    if role == "dit":
+        sharded = followed.placement("dit") if followed is not None else None
+        group = (list(sharded.devices) if sharded is not None and sharded.strategy == "fsdp"
+                 else None if followed is not None   # auto, and the plan does not shard it
+                 else [d.id for d in gpus(this_machine())] or [CPU] * CPU_FSDP_RANKS)   # fsdp: every GPU, or cpu
+        if group is not None:
+            from . import pools   # imports torch: only for a sharded DiT
+
+            ranks = pools.fsdp_devices(group, fsdp_ranks)
+            if followed is None or ranks != group:
+                why = why or f"fsdp_ranks {fsdp_ranks}: {len(ranks)} ranks where the MGPU Plan has {len(group)}"
+                followed = own(ranks)
+    if why is not None:
+        for reason in followed.placement(role).reasons:
+            log.info("%s: %s: %s", _node(role), why, reason)
+    return followed
+
+
 def resolve(choice: str, role: str, plan=None, devices: list[Device] | None = None) -> Choice:
     """Turn a combo value into what the loader for ``role`` ("dit" | "text_encoder" | "vae") does.
 
-    explicit "cuda:N" -> single on it; "cpu" -> cpu; "fsdp" (DiT only) -> the plan's FSDP group, else every
-    GPU, else CPU ranks; "auto" -> the plan's placement for the role, else the GPU with most free memory, else
-    cpu. ``plan`` is an ``mgpu.planning.partition.Plan`` or None; ``devices`` replaces the live machine (tests).
+    explicit "cuda:N" -> single on it; "cpu" -> cpu; "fsdp" (DiT only) -> the plan's FSDP group; "auto" -> the
+    plan's placement for the role. ``plan`` is an ``mgpu.planning.partition.Plan``: for auto and fsdp the one
+    ``plan_to_follow`` gives, connected or the loader's own; ``devices`` replaces the live machine (tests).
     Raises MgpuError naming the node, the device and the choices when a device does not exist here.
     """
     node = _node(role)

@@ -8,8 +8,8 @@ from ..loaders import components, placement
 from ..loaders.model_files import FOLDERS, NONE, folder_names
 from .plan import PlanType
 
-_DEVICE_TIP = ("auto: where the connected MGPU Plan puts it, else the GPU with most free memory, else the cpu. "
-               "The web page labels each device with its free memory.")
+_DEVICE_TIP = ("auto: where the connected MGPU Plan puts it, else where a plan for this file alone (default size) "
+               "puts it. The web page labels each device with its free memory.")
 _SPLIT_DEVICES_TIP = ("For an encoder too big for one GPU: the devices to split its layers over, in order "
                       "(e.g. cuda:0,cuda:1), or auto (the MGPU Plan's split, else every GPU). When set it replaces "
                       "device; empty: the device above (whose auto also splits when the MGPU Plan does).")

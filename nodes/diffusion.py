@@ -24,8 +24,9 @@ class MgpuLoadDiffusionModel(io.ComfyNode):
                                tooltip="default: what ComfyUI picks for the device (or the plan's fp8). fp8 halves "
                                        "the weights and, under fsdp, what the ranks exchange"),
                 io.Combo.Input("device", options=placement.device_choices(), default=placement.AUTO,
-                               tooltip="auto: where the connected MGPU Plan puts it, else the GPU with most free "
-                                       "memory. fsdp: shard over the plan's GPUs, else all of them"),
+                               tooltip="auto: where the connected MGPU Plan puts it, else where a plan for this "
+                                       "file alone (default size) puts it. fsdp: shard over the plan's GPUs, else "
+                                       "all of them"),
                 io.Int.Input("fsdp_ranks", default=0, min=0, max=64,
                              tooltip="fsdp only: 0 = the planned GPUs (all without a plan); N = the first N. "
                                      "Without a GPU, N CPU ranks (slow; for trying workflows)"),

@@ -307,3 +307,54 @@ def check_multigpu_cfg_split_is_refused(folder: str) -> dict:
         return {"node": True, "raised": "MgpuError", "message": str(exc)}
     except Exception as exc:   # noqa: BLE001 - reported for the assertion
         return {"node": True, "raised": type(exc).__name__, "message": str(exc)}
+
+
+def check_loader_decides_alike_with_and_without_a_plan(folder: str) -> dict:
+    """MGPU Load Diffusion Model's ``load`` on a (simulated) 2 x 24 GiB machine for a 14B Wan DiT (a header-only
+    file), with no plan and with MGPU Plan connected for the same file at its default size: what it would load
+    (``load_fsdp`` / ``load_single`` recorded, not run), the plan each ``resolve`` got, and what it logged."""
+    import logging
+
+    import folder_paths
+
+    import ckpt_layouts as L
+    from loaders import diffusion, placement
+    from loaders import model_files as mf
+    from mgpu.planning.devices import parse_spec
+
+    models = Path(folder) / "diffusion_models"
+    models.mkdir()
+    L.write_safetensors(models / "wan14b.safetensors", L.wan21_t2v_14b(), sparse=True)
+    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
+    machine = parse_spec("2x24GiB,cpu=64GiB")
+    placement.available_devices = lambda replacing=(): machine
+    placement.live_devices = lambda: machine
+    loads, resolved, lines = [], [], []
+
+    def load_fsdp(path, name, devices, dtype, reshard_after_forward, slot, sp_degree, plan):
+        loads.append({"fsdp": devices, "dtype": dtype, "reshard": reshard_after_forward, "sp": sp_degree})
+
+    def load_single(path, device, dtype):
+        loads.append({"single": str(device), "dtype": dtype})
+
+    def resolve(choice, role, plan=None, devices=None):
+        resolved.append(None if plan is None else "own" if placement.is_own(plan) else "MGPU Plan")
+        return real_resolve(choice, role, plan, devices)
+
+    real_resolve = diffusion.resolve
+    diffusion.load_fsdp, diffusion.load_single, diffusion.resolve = load_fsdp, load_single, resolve
+    diffusion.add_plan_check = lambda *args: None
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("mgpu").addHandler(handler)
+    logging.getLogger("mgpu").setLevel(logging.INFO)
+    facts = []
+    for device, dtype in (("auto", "default"), ("auto", "fp8_e4m3fn"), ("fsdp", "default")):
+        request = mf.PlanRequest(dit="wan14b.safetensors", dit_weight_dtype=dtype)
+        plan = mf.make_plan_for(request, mf.comfy_folders()[1], live=lambda: machine)
+        for connected in (None, plan):
+            del loads[:], resolved[:], lines[:]
+            diffusion.load("wan14b.safetensors", dtype, device, 0, connected)
+            facts.append({"device": device, "dtype": dtype, "connected": connected is not None, "loads": list(loads),
+                          "resolved": list(resolved), "log": list(lines)})
+    return facts

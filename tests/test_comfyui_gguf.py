@@ -208,7 +208,8 @@ def test_gguf_files_are_found_in_comfyui_gguf_s_folder_too(tmp_path, monkeypatch
 def test_a_gguf_workflow_with_the_plan_connected_and_the_loader_on_auto_runs_sharded(server: ComfyServer) -> None:
     """MGPU Plan for the GGUF (with the example workflows' dit_weight_dtype fp8_e4m3fn) connected to MGPU Load
     Diffusion Model on auto: the plan shards it (cpu ranks: no GPU here) and drops the fp8 recast, so the loader
-    that follows it loads the file on 2 cpu ranks, to stock's latent on the dequantized weights."""
+    that follows it, asked for 2 ranks where the plan has 1, plans them (the gathered weights' fit for 2) and loads
+    the file on 2 cpu ranks, to stock's latent on the dequantized weights."""
     prompt = pairs({"stock_unet": unet(REFERENCE), "gguf_unet": fsdp_unet(GGUF, device="auto")},
                    {"stock": "stock_unet", "gguf": "gguf_unet"})
     prompt["plan"] = {"class_type": "MgpuPlan", "inputs": {
@@ -220,5 +221,6 @@ def test_a_gguf_workflow_with_the_plan_connected_and_the_loader_on_auto_runs_sha
     lat = latents(server, run(server, prompt))
     assert max_diff(lat["gguf"], lat["stock"]) <= TOLERANCE, max_diff(lat["gguf"], lat["stock"])
     log = server.log()[start:]
-    assert "auto: following the plan (fsdp on cpu)" in log, log[-3000:]
+    assert "fsdp_ranks 2: 2 ranks where the MGPU Plan has 1: no GPU: sharded over 2 cpu ranks" in log, log[-3000:]
+    assert "auto: following a plan for this file alone (fsdp on cpu, cpu)" in log, log[-3000:]
     assert f"{GGUF} sharded over 2 ranks (cpu, cpu) loaded" in log, log[-3000:]

@@ -75,3 +75,27 @@ def test_comfyuis_multigpu_cfg_split_refuses_a_sharded_model_with_the_way_out(tm
         return
     assert facts["raised"] == "MgpuError", facts
     assert "Remove MultiGPU CFG Split" in facts["message"] and "cuda:0, cuda:1" in facts["message"]
+
+
+def test_a_loader_without_a_plan_loads_as_with_the_equivalent_plan_connected(tmp_path: Path) -> None:
+    """MGPU Load Diffusion Model with no plan makes the plan MGPU Plan makes for its file and follows it through the
+    same ``resolve``: the 14B DiT on 2 x 24 GiB sharded over both (bf16: too large for one), on one GPU in fp8, and
+    fsdp over both, each with the same gathered-weights decision as with the plan connected. The one difference:
+    without a plan the ranks set up every sequence degree, since the prompt's batch is a guess."""
+    facts = in_comfyui("check_loader_decides_alike_with_and_without_a_plan", str(tmp_path))
+    pairs = list(zip(facts[::2], facts[1::2]))
+    assert [(own["device"], own["dtype"]) for own, _ in pairs] == \
+        [("auto", "default"), ("auto", "fp8_e4m3fn"), ("fsdp", "default")]
+    for own, planned in pairs:
+        assert (own["connected"], planned["connected"]) == (False, True)
+        assert own["resolved"] == ["own"] and planned["resolved"] == ["MGPU Plan"]
+        assert [{k: v for k, v in load.items() if k != "sp"} for load in own["loads"]] == \
+            [{k: v for k, v in load.items() if k != "sp"} for load in planned["loads"]], (own, planned)
+        assert any(line.startswith("MGPU Load Diffusion Model: no MGPU Plan: ") for line in own["log"])
+        assert not any("no MGPU Plan" in line for line in planned["log"])
+    sharded, fp8, forced = (own["loads"][0] for own, _ in pairs)
+    assert sharded == {"fsdp": ["cuda:0", "cuda:1"], "dtype": None, "reshard": True, "sp": 2}
+    assert pairs[0][1]["loads"][0]["sp"] == 1   # the plan's CFG split: cond and uncond on one rank each
+    assert fp8 == {"single": "cuda:0", "dtype": "float8_e4m3fn"}
+    assert forced == sharded
+    assert "no MGPU Plan: the gathered weights are freed after every step" in "\n".join(pairs[2][0]["log"])

@@ -4,6 +4,7 @@ The ComfyUI tier (the workflow, == stock, peak memory per rank) is test_comfyui_
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -12,10 +13,10 @@ import psutil
 import pytest
 
 import ckpt_layouts as L
-from loaders import experts, pools
+from loaders import experts, placement, pools
 from mgpu.planning.devices import parse_spec
 from mgpu.planning.estimates import Workload
-from mgpu.planning.partition import ONE_AT_A_TIME, Component, make_plan
+from mgpu.planning.partition import ONE_AT_A_TIME, Component, Policy, make_plan
 from mgpu.planning.sizing import size_component
 from mgpu.ranks.pool import PoolConfig, RankPool
 
@@ -102,8 +103,8 @@ def test_both_loaders_follow_the_plans_decision(clean_pools, tmp_path, width, he
     pool = FakePool(["cuda:0", "cuda:1"], free=1)   # the plan decides: the ranks are not asked
     high, low = FakeSharded(pool, high_size.path), FakeSharded(pool, low_size.path)
     clean_pools.add(high)
-    assert experts.share_ranks(high, plan, None, False, "node") == (ONE_AT_A_TIME if turns else None)
-    assert experts.share_ranks(low, plan, None, False, "node") == (ONE_AT_A_TIME if turns else None)
+    assert experts.share_ranks(high, plan, "node") == (ONE_AT_A_TIME if turns else None)
+    assert experts.share_ranks(low, plan, "node") == (ONE_AT_A_TIME if turns else None)
     assert pools.make_room(low) == ([high_size.path] if turns else [])
     assert pool.calls == []
 
@@ -116,7 +117,7 @@ def test_the_plans_one_at_a_time_also_frees_an_expert_its_loader_loaded_without_
     high, other = FakeSharded(pool, high_size.path), FakeSharded(pool, "other.safetensors")
     clean_pools.update({high, other})   # loaded by loaders with no plan connected
     low = FakeSharded(pool, low_size.path)
-    assert experts.share_ranks(low, plan, None, False, "node") == ONE_AT_A_TIME
+    assert experts.share_ranks(low, plan, "node") == ONE_AT_A_TIME
     assert pools.make_room(low) == [high_size.path] and other.loaded   # a model the plan does not name stays
 
 
@@ -126,25 +127,36 @@ def test_the_plans_one_at_a_time_also_frees_an_expert_its_loader_loaded_without_
     (24 * GiB, True, False, True),     # + its whole gathered model (13.3 GiB) does not fit
     (23 * GiB, False, True, True),     # + the 11 GiB the other keeps gathered does not fit in 22.5 GiB
 ])
-def test_without_a_plan_the_ranks_free_memory_decides(clean_pools, tmp_path, free, keep, others_keep, turns):
+def test_without_a_plan_the_ranks_free_memory_decides(clean_pools, tmp_path, free, keep, others_keep, turns, caplog):
+    """The loader's own plan (no MGPU Plan: device fsdp, the default workload) says what each rank holds of it; the
+    ranks say what is free beside the model already there."""
     high_size, low_size = _plan_files(tmp_path)
+    own = placement.plan_to_follow("dit", low_size.path, "fsdp", None, devices=parse_spec("2x24GiB,cpu=64GiB"))
+    assert placement.is_own(own) and own.placement("dit").devices == ["cuda:0", "cuda:1"]
     pool = FakePool(["cuda:0", "cuda:1"], free=free)
     high = FakeSharded(pool, high_size.path, reshard=not others_keep,
                        load_replies=[{"gathered_bytes_per_forward": 11 * GiB}])
-    low = FakeSharded(pool, low_size.path)
-    assert experts.share_ranks(low, None, None, keep, "node") is None   # nothing loaded beside it yet
+    low = FakeSharded(pool, low_size.path, reshard=not keep)
+    assert experts.share_ranks(low, own, "node") is None   # nothing loaded beside it yet
     clean_pools.add(high)
-    assert experts.share_ranks(low, None, None, keep, "node") == (ONE_AT_A_TIME if turns else None)
+    with caplog.at_level(logging.INFO, logger="mgpu"):
+        assert experts.share_ranks(low, own, "node") == (ONE_AT_A_TIME if turns else None)
     assert pool.calls == [pools.MEMORY_OP]
     assert pools.make_room(low) == ([high_size.path] if turns else [])
+    said = "takes turns with high.safetensors" if turns else "stays on the FSDP ranks beside high.safetensors"
+    assert f"node: no MGPU Plan: low.safetensors {said}" in caplog.text
 
 
-def test_a_plan_that_does_not_name_the_file_leaves_the_decision_to_the_ranks(clean_pools, tmp_path):
+def test_a_plan_of_one_dit_leaves_the_decision_to_the_ranks(clean_pools, tmp_path):
+    """An MGPU Plan of one DiT sharded over the ranks does not know the model already there: the ranks' free memory
+    decides, weighed against what the plan says each rank holds."""
     high_size, low_size = _plan_files(tmp_path)
-    plan = make_plan([Component("dit", high_size)], parse_spec("2x24GiB,cpu=64GiB"), Workload())
+    plan = make_plan([Component("dit", low_size)], parse_spec("2x24GiB,cpu=64GiB"), Workload(),
+                     Policy(prefer_speed=True))
+    assert plan.placement("dit").strategy == "fsdp"
     pool = FakePool(["cuda:0", "cuda:1"], free=12 * GiB)
     clean_pools.add(FakeSharded(pool, high_size.path))
-    assert experts.share_ranks(FakeSharded(pool, low_size.path), plan, None, False, "node") == ONE_AT_A_TIME
+    assert experts.share_ranks(FakeSharded(pool, low_size.path), plan, "node") == ONE_AT_A_TIME
 
 
 @pytest.mark.timeout(240)

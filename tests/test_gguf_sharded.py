@@ -494,10 +494,10 @@ def test_rank_pool_loads_a_gguf_checkpoint_and_reports_gathered_bytes(tmp_path):
 
 
 def test_kept_gathered_a_gguf_counts_as_its_dequantized_weights(tmp_path):
-    """Plans (and a loader without one) keep the gathered weights only if they fit: for a GGUF those are dequantized
+    """Plans (a loader's own too) keep the gathered weights only if they fit: for a GGUF those are dequantized
     (bf16 here), 3.5 times the stored Q4_K bytes, not the stored bytes; the shards stay the stored bytes."""
     from mgpu.planning.estimates import Workload, gathered_size, weight_bytes
-    from mgpu.planning.partition import Component, keep_gathered
+    from mgpu.planning.partition import Component, Policy, make_plan
 
     path = tmp_path / "wan14b-Q4_K.gguf"
     gf.write_sparse_gguf(path, gf.city96_types(cl.wan21_t2v_14b(), "Q4_K"))
@@ -508,5 +508,8 @@ def test_kept_gathered_a_gguf_counts_as_its_dequantized_weights(tmp_path):
     assert sum(kept.blocks[0].bytes_per_block) + kept.bytes_outside_blocks == pytest.approx(kept.total_bytes, 1e-3)
     assert weight_bytes(kept, "float32") > 1.9 * kept.total_bytes   # the compute dtype recasts them
     gpus = parse_spec("2x24GiB")   # 8 GB of Q4_K blocks would fit kept; the 28.6 GB they dequantize to do not
-    keep, why = keep_gathered(Component("dit", stored), gpus, Workload(width=480, height=272, frames=17))
-    assert not keep and "does not fit" in why
+    plan = make_plan([Component("dit", stored)], gpus, Workload(width=480, height=272, frames=17),
+                     Policy(implicit=True, fsdp_devices=("cuda:0", "cuda:1")))
+    placed = plan.placement("dit")
+    assert placed.reshard_after_forward and placed.reasons[-1].endswith("does not fit")
+    assert placed.rank_need.kept == weight_bytes(kept, None)

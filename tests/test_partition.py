@@ -16,7 +16,7 @@ import math
 
 from mgpu.planning.estimates import (Workload, dit_working_bytes, fsdp_buffer_bytes,
                                      rank_process_bytes, vae_decode_bytes, vae_parallel_decode_bytes, weight_bytes)
-from mgpu.planning.partition import PHASES, Component, Plan, Policy, keep_gathered, make_plan
+from mgpu.planning.partition import PHASES, Component, Plan, Policy, make_plan, rank_need
 from mgpu.planning.sizing import size_component
 
 GiB = 1 << 30
@@ -392,20 +392,60 @@ def test_no_plan_overcommits_a_device(wan14b, sizes, host, width, height, frames
     assert Plan.from_json(p.to_json()) == p
 
 
-def test_fsdp_without_a_plan_keeps_the_gathered_weights_when_they_fit(wan14b):
-    """The loader's decision when no MGPU Plan is connected: the same fit test a plan makes, for the DiT alone on
-    exactly the ranks the user picked; cpu ranks share one host budget."""
-    dit = Component("dit", wan14b["dit"])
-    roomy = [d for d in parse_spec("2x80GiB") if d.kind == "cuda"]
-    keep, why = keep_gathered(dit, roomy, SD_81)
-    assert keep and "stay between steps" in why and "cuda:0 needs" in why
-    tight = [d for d in parse_spec("2x24GiB") if d.kind == "cuda"]
-    keep, why = keep_gathered(dit, tight, SD_81)
-    assert not keep and "cuda:0 needs" in why and "has" in why
-    host = next(d for d in parse_spec("cpu=64GiB") if d.kind == "cpu")
-    assert not keep_gathered(dit, [host, host], SD_81)[0]   # 2 x 28.6 GB + working > 60 GiB of host budget
-    big_host = next(d for d in parse_spec("cpu=256GiB") if d.kind == "cpu")
-    assert keep_gathered(dit, [big_host, big_host], SD_81)[0]
+def test_a_loaders_fsdp_plan_shards_over_its_ranks_and_keeps_the_gathered_weights_when_they_fit(wan14b):
+    """Device fsdp on the loader (``Policy.fsdp_devices``): the DiT sharded over exactly those ranks, with the fit test
+    every plan makes for the gathered weights; cpu ranks share one host budget. Shards that do not fit by the
+    estimates are placed all the same, and the plan says so: the node asked for them."""
+    dit = [Component("dit", wan14b["dit"])]
+
+    def forced(spec: str, ranks: list[str]):
+        return make_plan(dit, parse_spec(spec), SD_81, Policy(implicit=True, fsdp_devices=tuple(ranks))).placement("dit")
+
+    roomy = forced("2x80GiB,cpu=64GiB", ["cuda:0", "cuda:1"])
+    assert (roomy.strategy, roomy.devices, roomy.reshard_after_forward) == ("fsdp", ["cuda:0", "cuda:1"], False)
+    assert any(r.startswith("the gathered weights stay between steps (26.6 GiB per rank)") for r in roomy.reasons)
+    tight = forced("2x24GiB,cpu=64GiB", ["cuda:0", "cuda:1"])
+    assert tight.reshard_after_forward and any(r.startswith("the gathered weights are freed after every step")
+                                               for r in tight.reasons)
+    assert forced("4x80GiB,cpu=64GiB", ["cuda:2"]).devices == ["cuda:2"]   # one rank, where the loader says
+    host = forced("cpu=64GiB", ["cpu", "cpu"])   # 2 x 28.6 GB + working > 60 GiB of host budget
+    assert host.devices == ["cpu", "cpu"] and host.reshard_after_forward
+    assert host.resident_bytes == {"cpu": 2 * host.rank_need.shard} and host.process_bytes == {"cpu": 0}
+    assert not forced("cpu=256GiB", ["cpu", "cpu"]).reshard_after_forward
+    small = forced("2x8GiB,cpu=64GiB", ["cuda:0", "cuda:1"])
+    assert (small.strategy, small.devices, small.reshard_after_forward) == ("fsdp", ["cuda:0", "cuda:1"], True)
+    assert small.reasons[1].startswith("warning: DiT sharded over 2 GPUs needs ")
+    assert small.reasons[1].endswith("as the loader's device fsdp asks")
+    with pytest.raises(PlanError, match="sharded over 2 GPUs needs"):   # an MGPU Plan refuses it
+        make_plan(dit, parse_spec("2x8GiB,cpu=64GiB"), SD_81)
+
+
+def test_a_loaders_own_plan_sets_up_the_sequence_degree_for_any_batch(wan14b):
+    """A loader's own plan guesses the workload (CFG on): the ranks still set up every sequence degree the heads
+    allow, so a cfg-1 prompt splits its tokens over every rank; an MGPU Plan sets up its workload's split."""
+    dit = [Component("dit", wan14b["dit"])]
+    devices = parse_spec("2x80GiB,cpu=64GiB")
+    planned = make_plan(dit, devices, SD_81, Policy(prefer_speed=True)).placement("dit")
+    own = make_plan(dit, devices, SD_81, Policy(prefer_speed=True, implicit=True)).placement("dit")
+    assert (planned.cfg_degree, planned.sp_degree) == (2, 1)
+    assert (own.cfg_degree, own.sp_degree) == (2, 2)
+    assert own.rank_need.process > planned.rank_need.process   # the communicator of the sequence groups too
+
+
+def test_a_loaders_own_plan_refuses_nothing(wan14b):
+    """What fits nowhere by the estimates goes, in a loader's own plan, to the GPU with the most room (ComfyUI loads
+    what fits there and offloads the rest, as the loaders did before plans); an MGPU Plan refuses it."""
+    comps = [Component("dit", wan14b["dit"]), Component("text_encoder", wan14b["text_encoder"]),
+             Component("vae", wan14b["vae"])]
+    devices = parse_spec("cuda:0=4GiB,cuda:1=6GiB,cpu=8GiB")
+    with pytest.raises(PlanError):
+        make_plan(comps, devices, SD_81)
+    p = make_plan(comps, devices, SD_81, Policy(implicit=True))
+    assert [(x.role, x.strategy, x.devices) for x in p.placements] == [
+        ("dit", "single", ["cuda:1"]), ("text_encoder", "single", ["cuda:0"]), ("vae", "single", ["cuda:0"])]
+    assert p.placement("dit").reasons[0].endswith("do not fit on cuda:1")
+    assert p.placement("dit").reasons[1].startswith("warning: nothing fits by these estimates (")
+    assert p.placement("vae").tiled
 
 
 # --- text encoders too big for one GPU: their layers split over several ----------------------------------------------
@@ -617,14 +657,15 @@ def test_a_loader_without_a_plan_weighs_a_second_model_against_the_ranks_free_me
     working memory (and its kept gathered weights, if it keeps them, and what the others keep) against it."""
     low = Component("dit", wan22["dit_low_noise"])
     ranks = lambda free: [d for d in parse_spec(f"2x{free}GiB") if d.kind == "cuda"]  # noqa: E731
-    fits, why = fits_beside(low, ranks(16), SD_81, keep=False)
+    need = rank_need(low, ranks(16), SD_81)
+    fits, why = fits_beside(need, ranks(16), keep=False)
     assert fits and "per rank (6.9 GiB shard + " in why and "cuda:0 needs" in why
-    fits, why = fits_beside(low, ranks(12), SD_81, keep=False)
+    fits, why = fits_beside(need, ranks(12), keep=False)
     assert not fits and "has 11.5 GiB" in why
-    assert not fits_beside(low, ranks(16), SD_81, keep=True)[0]            # + its whole gathered model
-    assert not fits_beside(low, ranks(16), SD_81, keep=False, held=4 * GiB)[0]
+    assert not fits_beside(need, ranks(16), keep=True)[0]            # + its whole gathered model
+    assert not fits_beside(need, ranks(16), keep=False, held=4 * GiB)[0]
     host = next(d for d in parse_spec("cpu=24GiB") if d.kind == "cpu")
-    assert not fits_beside(low, [host, host], SD_81, keep=False)[0]   # cpu ranks share the host's RAM
+    assert not fits_beside(rank_need(low, [host, host], SD_81), [host, host], keep=False)[0]   # one host's RAM
 
 
 # --- LTX-2 (audio + video, 19B) + Gemma 3 12B on 2 x 24 GiB -------------------------------------------------------

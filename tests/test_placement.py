@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import types
 
@@ -12,7 +13,7 @@ import torch
 
 import ckpt_layouts as L
 from loaders import placement
-from loaders.placement import Choice, choice_labels, device_choices, resolve
+from loaders.placement import Choice, choice_labels, device_choices, plan_to_follow, resolve
 from mgpu.planning.devices import parse_spec
 from mgpu.errors import MgpuError
 from mgpu.planning.estimates import Workload
@@ -99,11 +100,31 @@ def test_fsdp_is_for_the_diffusion_model_only():
         resolve("fsdp", "text_encoder", None, TWO)
 
 
-def test_auto_without_plan_takes_the_gpu_with_most_free_memory():
-    assert resolve("auto", "vae", None, with_free(TWO, cuda0=5, cuda1=20)).devices == ["cuda:1"]
-    assert resolve("auto", "vae", None, TWO).devices == ["cuda:0"]  # tie: lowest ordinal
-    got = resolve("auto", "text_encoder", None, CPU_ONLY)
+def test_auto_without_a_plan_follows_the_loaders_own_plan(wan14b):
+    """No MGPU Plan: a plan for the loader's file alone, on the machine as it is, decides: the VAE where the decode
+    has the most room, the 14B DiT sharded where it fits no GPU alone; no GPU: the cpu."""
+    def auto(role, devices):
+        return resolve("auto", role, plan_to_follow(role, wan14b[role].path, "auto", None, devices=devices), devices)
+
+    assert auto("vae", with_free(TWO, cuda0=5, cuda1=20)).devices == ["cuda:1"]
+    assert auto("vae", TWO).devices == ["cuda:0"]  # tie: lowest ordinal
+    got = auto("text_encoder", CPU_ONLY)
     assert (got.strategy, got.devices) == ("cpu", ["cpu"])
+    got = auto("dit", TWO)
+    assert (got.strategy, got.devices, got.reason) == ("fsdp", ["cuda:0", "cuda:1"],
+                                                       "auto: following a plan for this file alone (fsdp on cuda:0, "
+                                                       "cuda:1)")
+    with pytest.raises(ValueError, match="auto follows a plan that places the VAE"):
+        resolve("auto", "vae", None, TWO)
+    with pytest.raises(ValueError, match="fsdp follows a plan that shards the DiT"):
+        resolve("fsdp", "dit", make(wan14b, "1x80GiB,cpu=64GiB"), TWO)
+
+
+def test_an_explicit_device_needs_no_plan(wan14b, monkeypatch):
+    monkeypatch.setattr(placement, "make_plan", None)   # never called
+    plan = make(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
+    assert plan_to_follow("dit", wan14b["dit"].path, "cuda:1", plan) is plan
+    assert plan_to_follow("vae", wan14b["vae"].path, "cpu", None) is None
 
 
 def test_auto_follows_the_plan(wan14b):
@@ -113,10 +134,13 @@ def test_auto_follows_the_plan(wan14b):
     got, placed = resolve("auto", "text_encoder", plan, TWO), plan.placement("text_encoder")
     assert (got.strategy, got.devices, got.weight_dtype) == (placed.strategy, placed.devices, None)
     assert "following the plan" in got.reason
-    # a plan without the role (no VAE planned) falls back to free memory
+    # a plan without the role (no VAE planned): the loader's own plan, for the plan's workload
     partial = make_plan([Component("dit", wan14b["dit"], "fp8_e4m3fn")], parse_spec("2x24GiB,cpu=64GiB"),
                         Workload(1280, 720, 81, 1, True))
-    assert resolve("auto", "vae", partial, with_free(TWO, cuda1=30)).devices == ["cuda:1"]
+    machine = with_free(TWO, cuda1=30)
+    own = plan_to_follow("vae", wan14b["vae"].path, "auto", partial, devices=machine)
+    assert placement.is_own(own) and own.workload == partial.workload
+    assert resolve("auto", "vae", own, machine).devices == ["cuda:1"]
 
 
 def test_a_vae_whose_decode_the_plan_splits_loads_on_the_first_of_its_gpus(wan14b):
@@ -147,12 +171,23 @@ def test_fsdp_uses_the_plans_group_else_every_gpu_else_cpu_ranks(wan14b):
     sharded = make(wan14b, "2x24GiB,cpu=64GiB", dit_dtype="fp8_e4m3fn")
     four = parse_spec("4x24GiB,cpu=64GiB")
     assert resolve("fsdp", "dit", sharded, four).devices == ["cuda:0", "cuda:1"]
+    path = wan14b["dit"].path
+
+    def fsdp(plan, devices, ranks=0):
+        return resolve("fsdp", "dit", plan_to_follow("dit", path, "fsdp", plan, fsdp_ranks=ranks, devices=devices),
+                       devices)
+
+    assert fsdp(sharded, four).devices == ["cuda:0", "cuda:1"]
+    assert fsdp(sharded, four, ranks=1).devices == ["cuda:0"]
     single = make(wan14b, "1x80GiB,cpu=64GiB")
     assert single.placement("dit").strategy == "single"
-    assert resolve("fsdp", "dit", single, four).devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    assert resolve("fsdp", "dit", None, TWO).devices == ["cuda:0", "cuda:1"]
-    cpu = resolve("fsdp", "dit", None, CPU_ONLY)
+    assert fsdp(single, four).devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert fsdp(None, TWO).devices == ["cuda:0", "cuda:1"]
+    assert fsdp(None, TWO, ranks=1).devices == ["cuda:0"]
+    cpu = fsdp(None, CPU_ONLY)
     assert (cpu.strategy, cpu.devices) == ("fsdp", ["cpu"] * placement.CPU_FSDP_RANKS)
+    assert cpu.reason == "no GPU: fsdp over 2 CPU ranks (gloo; correct but slow)"
+    assert fsdp(None, CPU_ONLY, ranks=3).devices == ["cpu"] * 3
 
 
 def test_a_plan_for_other_devices_is_refused_with_the_way_out(wan14b):
@@ -257,3 +292,52 @@ def test_a_plan_for_another_file_is_refused_by_the_loader_naming_both(wan14b, tm
     assert "Pick the same file in MGPU Plan and here, or disconnect the plan" in msg
     with pytest.raises(MgpuError, match="^MGPU Load VAE: the connected MGPU Plan was made for vae.safetensors"):
         placement.check_plan_file(plan, "vae", "/elsewhere/other_vae.safetensors")
+
+
+# --- one decision point: a loader without a plan makes the plan MGPU Plan would, and follows it -------------------
+
+@pytest.mark.parametrize("choice, weight_dtype, spec", [
+    ("auto", "default", "2x24GiB,cpu=64GiB"),       # 28.6 GB of bf16 fit no GPU alone: sharded over both
+    ("auto", "default", "4x24GiB,cpu=64GiB"),       # over the fewest that fit, not every GPU
+    ("auto", "fp8_e4m3fn", "1x24GiB,cpu=64GiB"),    # recast to fp8, it fits the one GPU
+    ("auto", "default", "1x80GiB,cpu=64GiB"),
+    ("auto", "default", "cpu=64GiB"),
+    ("fsdp", "default", "2x24GiB,cpu=64GiB"),       # the plan shards it over every GPU anyway
+    ("fsdp", "fp8_e4m3fn", "2x80GiB,cpu=64GiB"),    # the plan puts it on one GPU: fsdp makes a plan of its own
+])
+def test_a_loader_without_a_plan_decides_as_with_the_equivalent_plan_connected(wan14b, monkeypatch, choice,
+                                                                                weight_dtype, spec):
+    """MGPU Load Diffusion Model with no plan, and with MGPU Plan connected for the same file, default size and this
+    machine: both get their plan from the same planner call with the same inputs, and ``resolve`` turns it into
+    the same devices, weight dtype and gathered-weights decision. The one difference: without a plan the prompt's
+    batch is a guess, so the ranks set up every sequence degree (a cfg-1 prompt still splits its tokens)."""
+    from loaders import model_files as mf
+
+    machine = parse_spec(spec)
+    path = wan14b["dit"].path
+    calls = []
+
+    def spy(components, devices, workload, policy=None):
+        calls.append((components, devices, workload, dataclasses.replace(policy, implicit=False, fsdp_devices=())))
+        return make_plan(components, devices, workload, policy)
+
+    monkeypatch.setattr(placement, "make_plan", spy)
+    monkeypatch.setattr(mf, "make_plan", spy)
+
+    def decide(plan):
+        followed = plan_to_follow("dit", path, choice, plan, weight_dtype=weight_dtype, devices=machine)
+        return resolve(choice, "dit", followed, machine), followed.placement("dit")
+
+    own, own_placed = decide(None)
+    request = mf.PlanRequest(dit=os.path.basename(path), dit_weight_dtype=weight_dtype)
+    connected = mf.make_plan_for(request, lambda folder, name: path, live=lambda: machine)
+    planned, planned_placed = decide(connected)
+    assert calls[0] == calls[1]   # the same planner, the same file, workload, machine and policy
+    assert [c.role for c in calls[0][0]] == ["dit"]
+    assert dataclasses.replace(own, reason="", sp_degree=None) == \
+        dataclasses.replace(planned, reason="", sp_degree=None)
+    if own.strategy == "fsdp":   # 40 heads: every degree up to the ranks; the plan's CFG split sets up 1
+        assert own.sp_degree == len(own.devices) and planned.sp_degree in (1, own.sp_degree)
+        assert dataclasses.replace(own_placed.rank_need, process=0) == \
+            dataclasses.replace(planned_placed.rank_need, process=0)   # process: the sequence groups' communicators
+    assert own.reason.startswith("auto: following a plan for this file alone" if choice == "auto" else "fsdp over ")

@@ -152,8 +152,8 @@ def test_a_model_of_another_file_on_our_ranks_stays_counted_as_used(machine, mon
 
 
 def test_a_loader_run_again_frees_its_previous_model_before_the_room_is_weighed(monkeypatch):
-    """``vacate``: the MGPU loader without a plan weighs whether the gathered weights stay on what the ranks hold
-    once its previous model left them (before, ``keeps_gathered`` ran with the old shards still there)."""
+    """``vacate``: the MGPU loader without a plan makes its own plan (``placement.plan_to_follow``) on what the ranks
+    hold once its previous model left them, not with the old shards still there."""
     monkeypatch.setattr(pools, "_slots", {})
     previous = FakeSharded("/models/wan.safetensors", 7 * GiB)
     pools.occupy(("workflow", "12"), previous)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from mgpu.planning.devices import Device, format_bytes
@@ -97,6 +98,29 @@ class Policy:
     # under ComfyUI 0.33's dynamic VRAM): less budget there in every phase. The loaders say which (mgpu/ stays
     # ComfyUI-free); a components ComfyUI runs there then adds only its libraries to its working memory.
     host_context_gpus: tuple[str, ...] = ()
+    # A loader's own plan, made when no MGPU Plan tells it what to do (``loaders.placement.plan_to_follow``): its
+    # workload is a guess, so the sequence degree the ranks set up covers any batch (``sequence_degree``), and it
+    # refuses nothing: what fits nowhere by these estimates goes where it has the most room (``_last_resort``).
+    implicit: bool = False
+    # The DiT's FSDP ranks when its loader's device is fsdp: sharded over exactly these, one entry per rank ("cpu"
+    # repeated: cpu ranks sharing the host's RAM), whatever the estimates say; the gathered weights kept if they fit.
+    fsdp_devices: tuple[str, ...] = ()
+
+
+@dataclass
+class RankNeed:
+    """Per rank bytes of a DiT sharded over ``ranks`` ranks (``rank_need``), as the plan counts them and the loaders
+    weigh them (``fits_beside``)."""
+
+    ranks: int
+    shard: int     # in every phase: 1/N of the weights, plus what the root unit keeps gathered (outside the blocks)
+    working: int   # while it samples: this rank's rows and tokens, and FSDP2's all-gather buffers
+    kept: int      # the whole gathered model, held between steps when the gathered weights are kept
+    process: int   # in every phase: the rank process's CUDA context, libraries and NCCL communicators (0 on cpu)
+
+    def resident(self, keep: bool) -> int:
+        """Weights held in every phase: the shard, and the gathered model when it is kept."""
+        return self.shard + (self.kept if keep else 0)
 
 
 @dataclass
@@ -117,7 +141,7 @@ class Placement:
     tiled: bool = False  # VAE only: decode in tiles
     batch_per_rank: int | None = None  # FSDP only: DiT batch each rank computes (CFG split)
     cfg_degree: int = 1  # FSDP only: rank groups splitting the batch rows (mgpu.planning.parallel)
-    sp_degree: int = 1  # FSDP only: ranks splitting each video's tokens (Ulysses)
+    sp_degree: int = 1  # FSDP only: the largest sequence degree (Ulysses) the ranks set up (``sequence_degree``)
     reshard_after_forward: bool = True  # FSDP only: False keeps the gathered weights between steps
     reasons: list[str] = field(default_factory=list)
     layers_by_device: dict[str, list[int]] = field(default_factory=dict)  # split only: [first, last] block per device
@@ -128,6 +152,7 @@ class Placement:
     # FSDP only: what each rank process keeps on its GPU in every phase outside PyTorch's allocator (CUDA context,
     # libraries, NCCL communicators); on the first expert of two, which share the ranks
     process_bytes: dict[str, int] = field(default_factory=dict)
+    rank_need: RankNeed | None = None  # FSDP only: what one rank holds (``rank_need``), for a loader to weigh
 
 
 @dataclass
@@ -173,7 +198,8 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         usage = [DeviceUse(**{k: v for k, v in u.items() if k != "headroom_bytes"}) for u in d["usage"]]
         return cls(
-            placements=[Placement(**p) for p in d["placements"]],
+            placements=[Placement(**{**p, "rank_need": p.get("rank_need") and RankNeed(**p["rank_need"])})
+                        for p in d["placements"]],
             usage=usage,
             devices=d["devices"],
             workload=d["workload"],
@@ -282,34 +308,41 @@ def _degrees(comp: Component, wl: Workload, ranks: int, policy: Policy) -> paral
                            policy.sequence_parallel)
 
 
-def _fsdp_need(comp: Component, wbytes: int, wl: Workload, degrees: parallel.Degrees,
-               policy: Policy) -> tuple[int, int, int]:
-    """(resident per rank, working per rank, batch per rank) for a DiT sharded over ``degrees.ranks`` ranks.
+def sequence_degree(comp: Component, wl: Workload, ranks: int, policy: Policy) -> int:
+    """The sequence degree the load sets up (the ranks pick each step's split among the degrees up to it): the
+    split of the plan's workload; in a loader's own plan (``Policy.implicit``), whose workload is a guess, the largest
+    the ranks and the heads allow, so a prompt at cfg 1 still splits its tokens over every rank."""
+    rows = 1 if policy.implicit else wl.dit_batch
+    return parallel.choose(ranks, rows, comp.size.dims.get("heads"), comp.size.family, policy.sequence_parallel).sp
 
-    Resident: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root
-    FSDP unit keeps gathered for the whole forward. Working: the activations of this rank's rows (CFG/batch split)
-    and tokens (sequence split), with no ComfyUI reservation (ComfyUI cannot see the ranks), plus FSDP2's
-    all-gather buffers in the storage dtype (NCCL gathers fp8 as fp8). The rank process's own memory:
-    ``_process_need``.
+
+def rank_need(comp: Component, group: list[Device], wl: Workload, policy: Policy | None = None) -> RankNeed:
+    """What each rank holds of a DiT sharded over ``group`` (one Device per rank), the one place the plan and the
+    loaders get these numbers from.
+
+    Shard: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root FSDP unit
+    keeps gathered for the whole forward. Working: the activations of this rank's rows (CFG/batch split) and tokens
+    (sequence split) for ``wl``, with no ComfyUI reservation (ComfyUI cannot see the ranks), plus FSDP2's all-gather
+    buffers in the storage dtype (NCCL gathers fp8 as fp8). Kept: the whole model gathered (GGUF dequantized,
+    ``estimates.gathered_size``). Process: the rank process's own memory for the sequence degrees the load sets up
+    (``sequence_degree``), with NVLS buffers on an NVSwitch machine; cpu ranks (gloo) keep none of it.
     """
-    size, ranks = comp.size, degrees.ranks
-    batch = math.ceil(wl.dit_batch / degrees.cfg)
+    policy = policy or Policy()
+    size, ranks = comp.size, len(group)
+    degrees = _degrees(comp, wl, ranks, policy)
+    wbytes = weight_bytes(size, comp.weight_dtype)
     scale = wbytes / size.total_bytes if size.total_bytes else 1.0
-    outside = int(size.bytes_outside_blocks * scale)
-    resident = math.ceil(wbytes / ranks) + outside
+    shard = math.ceil(wbytes / ranks) + int(size.bytes_outside_blocks * scale)
     buffers = fsdp_buffer_bytes(size, gather_itemsize=weight_itemsize(size, comp.weight_dtype),
                                 gathered_blocks=policy.gathered_blocks)
-    working = dit_working_bytes(size, wl, batch=batch, comfyui=False, sp=degrees.sp) + buffers
-    return resident, working, batch
-
-
-def _process_need(comp: Component, group: list[Device], sp_degree: int) -> int:
-    """What each rank process of ``group`` keeps on its GPU in every phase (``estimates.rank_process_bytes``):
-    CUDA context and libraries, and the NCCL communicators of the sequence degrees up to ``sp_degree`` the load
-    sets up, with NVLS buffers on an NVSwitch machine. cpu ranks (gloo) keep none of it."""
-    if not group or group[0].kind != "cuda":
-        return 0
-    return rank_process_bytes(len(group), comp.size.dims.get("heads"), sp_degree, nvls=parallel.nvls_likely(group))
+    working = dit_working_bytes(size, wl, batch=math.ceil(wl.dit_batch / degrees.cfg), comfyui=False,
+                                sp=degrees.sp) + buffers
+    process = 0
+    if group and group[0].kind == "cuda":
+        process = rank_process_bytes(ranks, size.dims.get("heads"), sequence_degree(comp, wl, ranks, policy),
+                                     nvls=parallel.nvls_likely(group))
+    return RankNeed(ranks=ranks, shard=shard, working=working,
+                    kept=weight_bytes(gathered_size(size), comp.weight_dtype), process=process)
 
 
 def _process_reason(comp: Component, group: list[Device], sp_degree: int, per_rank: int) -> str:
@@ -321,60 +354,26 @@ def _process_reason(comp: Component, group: list[Device], sp_degree: int, per_ra
             "unmeasured guesses (estimates.GPU_PROCESS_GUESSES)")
 
 
-def _rank_budgets(per_rank: int, ranks: list[Device], policy: Policy) -> dict[str, tuple[int, int]]:
-    """(need, budget) per device for ``per_rank`` bytes on every rank; cpu ranks share the host's RAM, so there
-    the whole group's need is held against that one budget."""
-    budgets: dict[str, tuple[int, int]] = {}
-    for d in ranks:
-        need, _ = budgets.get(d.id, (0, 0))
-        budgets[d.id] = (need + per_rank, _budget(d, policy))
-    return budgets
+def _per_device(group: list[Device], per_rank: int) -> dict[str, int]:
+    """``per_rank`` bytes on every rank of ``group``, per device: cpu ranks share the host, so it holds them all."""
+    return {dev: n * per_rank for dev, n in Counter(d.id for d in group).items()}
 
 
-def _rank_need(comp: Component, ranks: int, wl: Workload, policy: Policy) -> tuple[int, int, int]:
-    """(shard, working, whole gathered model) per rank of a DiT sharded over ``ranks`` ranks."""
-    wbytes = weight_bytes(comp.size, comp.weight_dtype)
-    resident, working, _ = _fsdp_need(comp, wbytes, wl, _degrees(comp, wl, ranks, policy), policy)
-    return resident, working, weight_bytes(gathered_size(comp.size), comp.weight_dtype)
-
-
-def keep_gathered(comp: Component, ranks: list[Device], wl: Workload, policy: Policy | None = None) -> tuple[bool, str]:
-    """Whether a DiT sharded over exactly ``ranks`` can keep its gathered weights between steps, and why: the call
-    a plan makes, for a loader set to fsdp with no MGPU Plan connected. Resharding after every step all-gathers the
-    whole model each step (on CPU ranks a Wan 1.3B step went from ~1 s to ~50 s), so it is kept whenever it fits.
-
-    ``ranks``: one Device per rank, as the inventory reports them now, what this pack holds there counted as
-    available (``Device.reclaimable_bytes``); each rank's process memory is counted as a plan counts it, for the
-    sequence degrees the load sets up without a plan (up to the number of ranks). cpu ranks share the host's RAM,
-    so there the whole group's need is held against that one budget."""
-    policy = policy or Policy()
-    resident, working, kept = _rank_need(comp, len(ranks), wl, policy)
-    process = _process_need(comp, ranks, len(ranks) if policy.sequence_parallel else 1)
-    budgets = _rank_budgets(resident + kept + working + process, ranks, policy)
-    short = [f"{dev} needs {format_bytes(need)}, has {format_bytes(budget)}"
-             for dev, (need, budget) in budgets.items() if need > budget]
-    if short:
-        return False, ("the gathered weights are freed after every step (each step all-gathers the model again): "
-                       "keeping them does not fit (" + "; ".join(short) + ")")
-    return True, (f"the gathered weights stay between steps ({format_bytes(kept)} per rank; "
-                  + "; ".join(f"{dev} needs {format_bytes(n)} of {format_bytes(b)}" for dev, (n, b) in budgets.items())
-                  + ")")
-
-
-def fits_beside(comp: Component, ranks: list[Device], wl: Workload, *, keep: bool, held: int = 0,
+def fits_beside(need: RankNeed, ranks: list[Device], *, keep: bool, held: int = 0,
                 policy: Policy | None = None) -> tuple[bool, str]:
-    """Whether a DiT sharded over ``ranks`` fits beside the models already loaded there, and why: the call a loader
-    with no MGPU Plan makes when its ranks hold another model (Wan 2.2's other expert). If not, the two take turns.
+    """Whether a DiT whose ranks hold ``need`` fits beside the models already loaded on them, and why: what a
+    loader weighs when its ranks hold another model that no plan placed with it (Wan 2.2's other expert). If not,
+    the two take turns.
 
-    ``ranks``: one Device per rank with the free memory the ranks report now, so the shards already loaded, and
-    the rank processes' own memory (``_process_need``), are taken; ``held``: per rank bytes those models take later
-    when they run (their kept gathered weights); ``keep``: this model keeps its own gathered weights."""
+    ``ranks``: one Device per rank with the free memory the ranks report now, so the shards already loaded, and the
+    rank processes' own memory, are taken; ``held``: per rank bytes those models take later when they run (their
+    kept gathered weights); ``keep``: this model keeps its own gathered weights."""
     policy = policy or Policy()
-    resident, working, kept = _rank_need(comp, len(ranks), wl, policy)
-    per_rank = resident + working + (kept if keep else 0) + held
-    budgets = _rank_budgets(per_rank, ranks, policy)
-    parts = [f"{format_bytes(resident)} shard", f"{format_bytes(working)} working"]
-    parts += [f"{format_bytes(kept)} kept gathered"] if keep else []
+    per_rank = need.resident(keep) + need.working + held
+    by_id = {d.id: d for d in ranks}
+    budgets = {dev: (n, _budget(by_id[dev], policy)) for dev, n in _per_device(ranks, per_rank).items()}
+    parts = [f"{format_bytes(need.shard)} shard", f"{format_bytes(need.working)} working"]
+    parts += [f"{format_bytes(need.kept)} kept gathered"] if keep else []
     parts += [f"{format_bytes(held)} the other models keep gathered"] if held else []
     text = "; ".join(f"{dev} needs {format_bytes(n)}, has {format_bytes(b)}" for dev, (n, b) in budgets.items())
     return (all(n <= b for n, b in budgets.values()),
@@ -468,32 +467,38 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
                 p.switch_s = round(_switch_s(c.size), 2)
         return out
 
-    def fsdp(group: list[Device], why: str) -> list[Placement] | None:
+    def fsdp(group: list[Device], why: str, forced: bool = False) -> list[Placement] | None:
+        """Sharded over ``group`` (one Device per rank), committed if it fits; ``forced`` (the loader's device
+        fsdp, ``Policy.fsdp_devices``): committed even when it does not, and said."""
         degrees = _degrees(comp, wl, len(group), policy)   # two experts share one architecture
-        needs = [_fsdp_need(c, w, wl, degrees, policy) for c, w in zip(experts, wbytes)]
-        kept = [weight_bytes(gathered_size(c.size), c.weight_dtype) for c in experts]
-        working, batch = max(n[1] for n in needs), needs[0][2]
-        work = {d.id: working for d in group}
-        budget = min(ledger.free(d.id) for d in group)
-        process = _process_need(comp, group, degrees.sp)   # once: the experts share the rank processes
+        needs = [rank_need(c, group, wl, policy) for c in experts]
+        working, batch = max(n.working for n in needs), math.ceil(wl.dit_batch / degrees.cfg)
+        process = needs[0].process   # once: the experts share the rank processes
+        sp_setup = sequence_degree(comp, wl, len(group), policy)
+        work = _per_device(group, working)
+        budget = min(ledger.free(dev) // k for dev, k in Counter(d.id for d in group).items())
 
         def per_expert(keep: bool) -> list[int]:
-            return [n[0] + (k if keep else 0) for n, k in zip(needs, kept)]
+            return [n.resident(keep) for n in needs]
 
-        # Keeping every block gathered between steps saves one all-gather of the whole model per step; it costs
-        # the full weights on every rank (of each resident expert), so it is chosen only when that fits too.
-        reshard = not ledger.fits(_need("dit", "fsdp", policy, {d.id: held(per_expert(True)) + process
-                                                                 for d in group}, work))
+        # Keeping every block gathered between steps saves one all-gather of the whole model per step (on cpu ranks
+        # a Wan 1.3B step took ~50 s with it, ~1 s without); it costs the full weights on every rank (of each
+        # resident expert), so it is chosen only when that fits too.
+        reshard = not ledger.fits(_need("dit", "fsdp", policy, _per_device(group, held(per_expert(True)) + process),
+                                        work))
         resident = held(per_expert(not reshard))
-        need = _need("dit", "fsdp", policy, {d.id: resident + process for d in group}, work)
-        if not ledger.fits(need):
+        need = _need("dit", "fsdp", policy, _per_device(group, resident + process), work)
+        fits = ledger.fits(need)
+        if not fits:
             shard = ("shard" if mode is None else "of shards")
-            attempts.append(f"{noun} sharded over {len(group)} GPUs needs "
-                            f"{format_bytes(resident + process + working)} per rank ({format_bytes(resident)} {shard} "
-                            f"+ {format_bytes(process)} rank process + {format_bytes(working)} working, batch {batch} "
-                            "per rank" + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
-                            + f"); smallest budget is {format_bytes(budget)}")
-            return None
+            short = (f"{noun} sharded over {len(group)} {'GPUs' if group[0].kind == 'cuda' else 'cpu ranks'} needs "
+                     f"{format_bytes(resident + process + working)} per rank ({format_bytes(resident)} {shard} "
+                     f"+ {format_bytes(process)} rank process + {format_bytes(working)} working, batch {batch} "
+                     "per rank" + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
+                     + f"); smallest budget is {format_bytes(budget)}")
+            if not forced:
+                attempts.append(short)
+                return None
         ledger.commit(need, {None: "DiT shard", BOTH_RESIDENT: "DiT shards (2 experts)",
                              ONE_AT_A_TIME: "DiT shard (1 expert at a time)"}[mode])
         if size.dims.get("hidden") and size.dims.get("layers"):
@@ -503,27 +508,44 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
                               kv_gather_width=size.dims.get("audio_hidden", 0))   # LTX-2's audio queries
         n = len(group)
         whose = "each expert's" if mode else "the"
-        reasons = [why, f"each rank holds 1/{n} of {whose} weights "
-                        f"({format_bytes(math.ceil(wbytes[0] / n))}) "
-                        f"plus {policy.gathered_blocks} gathered blocks and an all-gather buffer while computing",
-                   _process_reason(comp, group, degrees.sp, process),
+        reasons = [why, *([] if fits else [f"warning: {short}, by these estimates: sharded over them all the "
+                                            "same, as the loader's device fsdp asks"]),
+                   f"each rank holds 1/{n} of {whose} weights "
+                   f"({format_bytes(math.ceil(wbytes[0] / n))}) "
+                   f"plus {policy.gathered_blocks} gathered blocks and an all-gather buffer while computing",
+                   _process_reason(comp, group, sp_setup, process),
                    f"split of each step: {degrees.cfg} (CFG/batch) x {degrees.sp} (sequence) over {n} ranks",
                    *degrees.reasons, *(f"warning: {w}" for w in degrees.warnings)]
+        if sp_setup != degrees.sp:
+            reasons.append(f"sequence degrees up to {sp_setup} set up on the ranks, which pick each step's split for "
+                           "its rows: this plan's workload is a guess")
         if len({d.available_bytes for d in group}) > 1:
             reasons.append("GPUs differ in size: FSDP shards evenly, so the smallest member bounds every shard")
-        if not reshard:
-            reasons.append("memory allows keeping the gathered weights between steps: no all-gather after the "
-                           "first step")
+        kept = [n.kept for n in needs]
+        reasons.append(f"the gathered weights are freed after every step (each step all-gathers the model again): "
+                       f"keeping them ({format_bytes(held(kept))} per rank) does not fit" if reshard else
+                       f"the gathered weights stay between steps ({format_bytes(held(kept))} per rank): memory "
+                       "allows it, so no all-gather after the first step")
         if mode is not None:
             kept_now = 0 if reshard else held(kept)
             reasons += _expert_reasons(experts, mode, group, per_expert(False), working, kept_now, process, budget,
                                        host, ledger)
-        placed = placements("fsdp", [d.id for d in group], [{d.id: r for d in group} for r in per_expert(not reshard)],
-                            [{d.id: nd[1] for d in group} for nd in needs], reasons, batch_per_rank=batch,
-                            cfg_degree=degrees.cfg, sp_degree=degrees.sp, reshard_after_forward=reshard)
-        placed[0].process_bytes = {d.id: process for d in group}
+        placed = placements("fsdp", [d.id for d in group], [_per_device(group, r) for r in per_expert(not reshard)],
+                            [_per_device(group, nd.working) for nd in needs], reasons, batch_per_rank=batch,
+                            cfg_degree=degrees.cfg, sp_degree=sp_setup, reshard_after_forward=reshard)
+        placed[0].process_bytes = _per_device(group, process)
+        for p, nd in zip(placed, needs):
+            p.rank_need = nd
         return placed
 
+    if policy.fsdp_devices:   # the loader's device fsdp: exactly these ranks
+        by_id = {d.id: d for d in (*gpus, *([host] if host else []))}
+        if missing := [i for i in policy.fsdp_devices if i not in by_id]:
+            raise ValueError(f"Policy.fsdp_devices names {', '.join(missing)}, which the devices lack")
+        group = [by_id[i] for i in policy.fsdp_devices]
+        return fsdp(group, f"device fsdp on the loader: sharded over {', '.join(policy.fsdp_devices)}"
+                    if group[0].kind == "cuda" else f"no GPU: sharded over {len(group)} cpu ranks (gloo; correct but "
+                    "slow)", forced=True)
     if not on_gpus and gguf:   # no offload or one-process CPU run of a GGUF file: our cpu ranks shard it
         return fsdp([host], GGUF_SHARDED.format(k="cpu")) if host is not None and not gpus else None
     if not on_gpus:
@@ -624,8 +646,9 @@ TEXT_ENCODER_HOST_LOAD = ("loading it into host RAM holds the file's tensors and
 
 
 def _single(comp: Component, d: Device, working: int, tiled: bool, policy: Policy, ledger: _Ledger,
-            reasons: list[str]) -> Placement | None:
-    """``comp`` on ``d`` alone with ``working`` bytes beside its weights: committed and returned if it fits."""
+            reasons: list[str], force: bool = False) -> Placement | None:
+    """``comp`` on ``d`` alone with ``working`` bytes beside its weights: committed and returned if it fits (or
+    ``force``: in any case)."""
     size = comp.size
     wbytes = weight_bytes(size, comp.weight_dtype)
     strategy = "cpu" if d.kind == "cpu" else "single"
@@ -634,14 +657,37 @@ def _single(comp: Component, d: Device, working: int, tiled: bool, policy: Polic
         working += wbytes
         reasons = [*reasons, TEXT_ENCODER_HOST_LOAD]
     need = _need(comp.role, strategy, policy, {d.id: wbytes}, {d.id: working})
-    if not ledger.fits(need):
+    fits = ledger.fits(need)
+    if not (fits or force):
         return None
-    ledger.commit(need, ("text encoder" if comp.role == "text_encoder" else "VAE") + (" (tiled)" if tiled else ""))
+    ledger.commit(need, _LABELS[comp.role] + (" (tiled)" if tiled else ""))
     return Placement(role=comp.role, file=size.path, family=size.family, strategy=strategy, devices=[d.id],
                      weight_dtype=_dtype_name(size, comp.weight_dtype), weight_bytes=wbytes,
                      resident_bytes={d.id: wbytes}, working_bytes={d.id: working}, tiled=tiled,
-                     reasons=[f"{format_bytes(wbytes)} weights + {format_bytes(working)} working fit on {d.id}",
-                              *reasons])
+                     reasons=[f"{format_bytes(wbytes)} weights + {format_bytes(working)} working "
+                              f"{'fit' if fits else 'do not fit'} on {d.id}", *reasons])
+
+
+_LABELS = {"dit": "DiT", "text_encoder": "text encoder", "vae": "VAE"}
+
+
+def _last_resort(comp: Component, gpus: list[Device], host: Device | None, wl: Workload, policy: Policy,
+                 ledger: _Ledger, attempts: list[str]) -> Placement | None:
+    """What fits nowhere by these estimates, in a loader's own plan (``Policy.implicit``), which refuses nothing: on
+    the GPU with the most room, else the host, as the loaders did before plans; ComfyUI loads what fits there and
+    offloads the rest. Not a GGUF DiT, which only shards: a plan that cannot shard it refuses it."""
+    d = min(gpus, key=lambda d: (-ledger.free(d.id), d.index), default=host)
+    if d is None or (comp.role == "dit" and comp.size.gguf):
+        return None
+    if comp.role == "dit":
+        working = dit_working_bytes(comp.size, wl, batch=1, comfyui=d.kind == "cuda")
+    elif comp.role == "text_encoder":
+        working = text_encoder_working_bytes(comp.size, tokens=policy.text_encoder_tokens, batch=2 if wl.cfg else 1)
+    else:
+        working = vae_decode_bytes(comp.size, wl, tiled=True)
+    why = (f"warning: nothing fits by these estimates ({'; '.join(attempts)}): on {d.id}, where it has the most room, "
+           "since a loader's own plan refuses nothing; ComfyUI loads what fits there and offloads the rest")
+    return _single(comp, d, working, comp.role == "vae", policy, ledger, [why], force=True)
 
 
 def _place_simple(comp: Component, candidates: list[Device], wl: Workload, policy: Policy, ledger: _Ledger,
@@ -953,6 +999,9 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
             placed = _place_text_encoder(comp, gpus, host, workload, policy, ledger, attempts)
         else:
             placed = _place_vae(comp, gpus, host, workload, policy, ledger, placements, attempts)
+        if placed is None and policy.implicit:
+            placed = _last_resort(comp, gpus, host, workload, policy, ledger, attempts)
+            placed = [placed] if role == "dit" and placed is not None else placed
         if placed is None:
             raise _plan_error(role, components, devices, workload, policy, gpus, ledger, attempts)
         for p in placed if isinstance(placed, list) else [placed]:
@@ -967,4 +1016,5 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
         reasons.append("no component uses a GPU")
     return Plan(placements=placements, usage=usage, devices=[d.to_dict() for d in devices],
                 workload=asdict(workload), reasons=reasons,
-                policy={**asdict(policy), "host_context_gpus": list(policy.host_context_gpus)})   # as JSON reads it
+                policy={**asdict(policy), "host_context_gpus": list(policy.host_context_gpus),
+                        "fsdp_devices": list(policy.fsdp_devices)})   # as JSON reads it
