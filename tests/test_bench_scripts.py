@@ -190,3 +190,22 @@ def test_calibrated_formula_covers_comfyuis_measured_peaks(calibration):
         assert 0 < row["measured_bytes_per_token"] <= row["ours_bytes_per_token"], row["family"]
     for row in calibration["dits"]:
         assert row["ours_working_single"] >= row["comfyui_reservation"] + CUDA_OVERHEAD_BYTES, row["family"]
+
+
+@pytest.mark.skipif(tm.comfyui_path() is None, reason=SKIP_REASON)
+@pytest.mark.timeout(400)
+def test_train_bench_measures_a_training_step_over_two_ranks(tmp_path):
+    """bench/bench_train.py --quick: 1 rank vs 2 at the same global batch; at the collectives, a kept-gathered model
+    all-gathers its weights once per step (forward: FSDP reshards after the backward), a resharding one twice
+    (forward and backward), and the adapters' fp32 gradients are all-reduced once per step, nothing else."""
+    out = tmp_path / "train.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_train.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=380, env={**ENV, "COMFYUI_PATH": tm.comfyui_path()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio 2/1" in proc.stdout and "DDP of the whole model" in proc.stdout
+    r = json.loads(out.read_text())
+    kept, resharded = r["two_ranks_kept"], r["two_ranks_resharded"]
+    assert r["one_rank"]["fsdp_all_gather_per_step"] == 0
+    assert resharded["fsdp_all_gather_per_step"] == 2 * kept["fsdp_all_gather_per_step"] > 0
+    assert kept["adapter_all_reduce_per_step"] == kept["adapter_bytes"] > 0
+    assert r["ddp_whole_model_all_reduce_per_step"] == 4 * r["model_params"]

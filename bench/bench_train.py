@@ -1,0 +1,199 @@
+"""LoRA training over FSDP ranks, printed as ratios from one run on one machine (issue 17 §5).
+
+    COMFYUI_PATH=/path/to/ComfyUI python bench/bench_train.py [--dim 512 --layers 4 --tokens 1024 --steps 3]
+    COMFYUI_PATH=... python bench/bench_train.py --quick    # tiny: that it runs (the test suite), no numbers to keep
+
+ComfyUI's own WanModel with random weights, ComfyUI's LoRA adapters (rank 16 on every layer, as its Train LoRA
+makes them), one optimizer step = forward + backward + step on a global batch of 2 rows. Prints, 2 cpu ranks against
+1 at the same global batch: the optimizer-step time (gathered weights kept between steps, and resharded after every
+forward), the bytes per step by kind as counted at the collectives (FSDP's all-gathers in forward and again in
+backward, the adapters' gradient all-reduce) beside what DDP of the whole model would all-reduce, and the CPU time
+per step. On CPU ranks each rank gets cores/ranks threads, so N ranks do not fight over the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, "tests")]
+
+from mgpu.planning.devices import format_bytes  # noqa: E402
+from mgpu.ranks.pool import PoolConfig, RankPool  # noqa: E402
+from mgpu.sharding.sharded import ModelSpec, ShardedModule  # noqa: E402
+from mgpu.training.run import TrainingRun  # noqa: E402
+
+FACTORY = "bench_train:wan_network"
+RANK = 16
+
+
+@dataclass
+class Config:
+    dim: int = 512
+    layers: int = 4
+    tokens: int = 1024      # per row: frames x (h/2) x (w/2) patches
+    text_tokens: int = 64
+    steps: int = 3
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        side = int((self.tokens // 4) ** 0.5)
+        return 4, 2 * side, 2 * side
+
+
+def _import_comfyui() -> None:
+    from calibrate_memory import import_comfyui
+
+    import_comfyui(os.environ["COMFYUI_PATH"])
+
+
+def wan_network(dim: int, layers: int):
+    """ComfyUI's WanModel (t2v) at ``dim``, fp32, ComfyUI's casting layers (they take the adapters)."""
+    _import_comfyui()
+    import comfy.ops
+    from comfy.ldm.wan.model import WanModel
+
+    return WanModel(model_type="t2v", patch_size=(1, 2, 2), text_len=64, in_dim=16, dim=dim, ffn_dim=dim * 3,
+                    freq_dim=256, text_dim=256, out_dim=16, num_heads=dim // 64, num_layers=layers,
+                    operations=comfy.ops.disable_weight_init)
+
+
+def checkpoint(cfg: Config, folder: str) -> tuple[str, int]:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = wan_network(cfg.dim, cfg.layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) / (p[0].numel() ** 0.5 if p.ndim > 1 else 10))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    path = os.path.join(folder, "wan.safetensors")
+    save_file(sd, path)
+    return path, sum(v.numel() for v in sd.values())
+
+
+def first_adapters(cfg: Config) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """ComfyUI's LoRA on every 2-D layer (its create_train: up random, down zero) and a zero difference on every
+    bias: what MGPU Train LoRA sends."""
+    from comfy.weight_adapter import adapter_maps
+
+    with torch.device("meta"):
+        meta = wan_network(cfg.dim, cfg.layers)
+    specs, first = [], {}
+    for name, module in meta.named_modules():
+        if not hasattr(module, "weight_function") or getattr(module, "weight", None) is None:
+            continue
+        if module.weight.ndim >= 2:
+            standin = type("W", (), {"shape": module.weight.shape, "device": torch.device("cpu")})
+            adapter = adapter_maps["LoRA"].create_train(standin, rank=RANK, alpha=1.0)
+            specs.append({"key": f"{name}.weight", "kind": "adapter"})
+            first.update({f"{name}.{k}": v.detach() for k, v in adapter.named_parameters()})
+        if getattr(module, "bias", None) is not None:
+            specs.append({"key": f"{name}.bias", "kind": "diff"})
+            first[f"{name}.diff_b"] = torch.zeros(module.bias.shape)
+    return specs, first
+
+
+def inputs(cfg: Config) -> tuple[dict, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    f, h, w = cfg.grid
+    x = {"x": torch.randn(2, 16, f, h, w, generator=g), "timestep": torch.tensor([300.0, 700.0]),
+         "context": torch.randn(2, cfg.text_tokens, 256, generator=g)}
+    return x, torch.randn(2, 16, f, h, w, generator=g)
+
+
+def run(n: int, cfg: Config, path: str, reshard: bool, threads: int) -> dict:
+    """One pool of ``n`` cpu ranks: seconds per optimizer step (median after a warm-up), bytes by kind per step."""
+    pool = RankPool(PoolConfig(devices=["cpu"] * n, extra_sys_path=[HERE, os.path.join(ROOT, "tests")],
+                               call_timeout_s=900, env={"OMP_NUM_THREADS": str(threads)}))
+    try:
+        sharded = ShardedModule(pool, ModelSpec(factory=FACTORY, checkpoint=path, reshard_after_forward=reshard,
+                                                factory_kwargs={"dim": cfg.dim, "layers": cfg.layers}))
+        sharded.load()
+        specs, first = first_adapters(cfg)
+        x, target = inputs(cfg)
+        training = TrainingRun(sharded)
+        training.start(specs, first, factory="loaders.train_adapters:build",
+                       mode="loaders.train_adapters:training_mode", optimizer="AdamW", learning_rate=1e-4,
+                       training_dtype="fp32", lora_dtype="fp32", gradient_checkpointing=True)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            torch.nn.functional.mse_loss(training.network(**x), target).backward()
+            training.step()
+            return time.perf_counter() - t0
+
+        step()
+        pool.call("bench_sp:count_collectives")   # wraps the collectives; counts from here
+        cpu0 = sum(r.payload["seconds"] for r in pool.call("bench_sp:cpu_seconds"))
+        times = [step() for _ in range(cfg.steps)]
+        cpu1 = sum(r.payload["seconds"] for r in pool.call("bench_sp:cpu_seconds"))
+        counted = pool.call("bench_sp:count_collectives")[0].payload
+        reduced = training.bytes["adapter_reduce"] // (cfg.steps + 1)
+        training.stop()
+        return {"ranks": n, "reshard_after_forward": reshard, "step_seconds": statistics.median(times),
+                "cpu_seconds_per_step": (cpu1 - cpu0) / cfg.steps,
+                "fsdp_all_gather_per_step": counted.get("fsdp_all_gather", {}).get("from_other_ranks", 0)
+                // cfg.steps,
+                "adapter_all_reduce_per_step": reduced if n > 1 else 0,
+                "adapter_bytes": training.started["adapter_bytes"]}
+    finally:
+        pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="dim 128, 2 layers, 64 tokens, 1 step: that it runs")
+    ap.add_argument("--json", help="also write the numbers to this file")
+    args = ap.parse_args(argv)
+    if not os.environ.get("COMFYUI_PATH"):
+        print("set COMFYUI_PATH to a ComfyUI checkout: the model is ComfyUI's own WanModel", file=sys.stderr)
+        return 2
+    cfg = Config(128, 2, 64, 16, 1) if args.quick else Config(args.dim, args.layers, args.tokens, 64, args.steps)
+    _import_comfyui()
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="mgpu-bench-train-") as folder:
+        path, params = checkpoint(cfg, folder)
+        one = run(1, cfg, path, reshard=False, threads=cores)
+        kept = run(2, cfg, path, reshard=False, threads=max(1, cores // 2))
+        resharded = run(2, cfg, path, reshard=True, threads=max(1, cores // 2))
+    ddp = params * 4   # DDP of the whole model: every parameter's fp32 gradient all-reduced per step
+    report = {"config": asdict(cfg), "model_params": params, "one_rank": one, "two_ranks_kept": kept,
+              "two_ranks_resharded": resharded,
+              "step_ratio_kept": kept["step_seconds"] / one["step_seconds"],
+              "step_ratio_resharded": resharded["step_seconds"] / one["step_seconds"],
+              "ddp_whole_model_all_reduce_per_step": ddp}
+    print(f"LoRA training, ComfyUI WanModel dim {cfg.dim} x {cfg.layers} layers ({params:,} params), rank {RANK}, "
+          f"2 rows x {cfg.tokens} tokens per step, gradient checkpointing on, {cores} cores")
+    print(f"optimizer step: 1 rank {one['step_seconds']:.2f} s; 2 ranks, gathered weights kept "
+          f"{kept['step_seconds']:.2f} s (ratio 2/1 {report['step_ratio_kept']:.2f}); resharded after every forward "
+          f"{resharded['step_seconds']:.2f} s (ratio 2/1 {report['step_ratio_resharded']:.2f})")
+    print(f"bytes per step per rank from the other rank: FSDP all-gathers (kept) "
+          f"{format_bytes(kept['fsdp_all_gather_per_step'])}, (resharded: forward + backward) "
+          f"{format_bytes(resharded['fsdp_all_gather_per_step'])}; adapter gradients all-reduced "
+          f"{format_bytes(kept['adapter_all_reduce_per_step'])} (the adapters: {format_bytes(kept['adapter_bytes'])}); "
+          f"DDP of the whole model would all-reduce {format_bytes(ddp)}")
+    print(f"CPU seconds per step, all ranks: 1 rank {one['cpu_seconds_per_step']:.2f}, 2 ranks kept "
+          f"{kept['cpu_seconds_per_step']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
