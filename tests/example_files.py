@@ -18,6 +18,7 @@ EXAMPLES = {
     "ltxv_t2v_multi_gpu": "LTX-Video 13B text-to-video (multi-GPU)",
     "wan22_t2v_a14b_multi_gpu": "Wan 2.2 text-to-video A14B (multi-GPU)",
     "ltx2_t2v_multi_gpu": "LTX-2 19B text-to-video with audio (multi-GPU)",   # ComfyUI 0.33 and newer
+    "wan21_lora_training_multi_gpu": "Wan 2.1 LoRA training on several GPUs",   # offered on 0.33 (Save LoRA's id)
 }
 # Combo inputs of the loaders that name model files, and the ComfyUI model folder each lists.
 FILE_FOLDERS = {
@@ -27,6 +28,8 @@ FILE_FOLDERS = {
     "ckpt_name": "checkpoints",   # ComfyUI's own LTX-2 audio VAE loader reads the all-in-one checkpoint there
 }
 NONE = "none"
+# Combo inputs that name a file of ComfyUI's input folder (the user's own data, no download), and its extension.
+INPUT_FILES = {("LoadVideo", "file"): ".mp4"}
 
 
 def ui_path(example: str) -> Path:
@@ -67,3 +70,8 @@ def file_widgets(node: dict) -> dict[str, str]:
 def declared_models(ui: dict) -> list[dict[str, str]]:
     """Every properties.models entry of a UI workflow's nodes, in node order."""
     return [m for n in ui["nodes"] for m in n.get("properties", {}).get("models", [])]
+
+
+def input_files(ui: dict) -> list[str]:
+    """The files of ComfyUI's input folder a UI workflow's nodes name (the LoRA example's training clip)."""
+    return [v for n in ui["nodes"] for k, v in widget_values(n).items() if (n["type"], k) in INPUT_FILES]

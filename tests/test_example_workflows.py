@@ -10,7 +10,8 @@ builds UMT5-XXL / T5-XXL full size), so for the run the text encoder loader is d
 is replaced by the harness's MgpuTestConditioning (seeded 4096-wide embeddings), keeping the node ids and links;
 the plan's text encoder is "none" and sizes, frames and steps are shrunk (sizes and frames in the plan only: the
 latent nodes take them from its outputs). Everything else runs as written, and no step warns that its latent
-differs from the plan.
+differs from the plan. The LoRA training example runs on a tiny clip the harness writes (2 training steps at rank 4),
+saves its LoRA and loss graph, and samples with the new LoRA on the same sharded MODEL.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from example_files import (
     EXAMPLES,
     EXAMPLES_DIR,
     FILE_FOLDERS,
+    INPUT_FILES,
     declared_models,
     file_widgets,
     load,
@@ -182,8 +184,10 @@ OFFICIAL_ORGS = {"Comfy-Org", "comfyanonymous", "Lightricks"}
 HF_FILE_URL = re.compile(r"https://huggingface\.co/(?P<org>[^/]+)/[^/]+/resolve/main/(?:[^?]+/)?(?P<file>[^/?]+)"
                          r"(?:\?download=true)?")
 # The ComfyUI template each example follows (package comfyui-workflow-templates): its file URLs are the reference.
+# ComfyUI has no training template: the LoRA example trains and samples the files of its Wan 2.1 one.
 COMFYUI_TEMPLATES = {"wan21_t2v_multi_gpu": "text_to_video_wan", "ltxv_t2v_multi_gpu": "ltxv_text_to_video",
-                     "ltx2_t2v_multi_gpu": "video_ltx2_t2v", "wan22_t2v_a14b_multi_gpu": "video_wan2_2_14B_t2v"}
+                     "ltx2_t2v_multi_gpu": "video_ltx2_t2v", "wan22_t2v_a14b_multi_gpu": "video_wan2_2_14B_t2v",
+                     "wan21_lora_training_multi_gpu": "text_to_video_wan"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -213,8 +217,9 @@ def test_every_model_file_has_download_metadata_on_its_node(name):
         assert folders.setdefault(m["name"], m["directory"]) == m["directory"], m
 
 
-def test_the_wan_files_are_comfy_orgs_repack():
-    ui, _ = load("wan21_t2v_multi_gpu")
+@pytest.mark.parametrize("name", ["wan21_t2v_multi_gpu", "wan21_lora_training_multi_gpu"])
+def test_the_wan_files_are_comfy_orgs_repack(name):
+    ui, _ = load(name)
     repack = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
     named = {v for n in ui["nodes"] for v in file_widgets(n).values()}
     assert {m["name"] for m in declared_models(ui)} == named
@@ -333,14 +338,20 @@ def _input_spec(info: dict, node_type: str, name: str) -> tuple[Any, dict]:
 
 # Stock nodes an example needs that older ComfyUI lacks: there the example is checked to need exactly these.
 NEWER_NODES = {"ltx2_t2v_multi_gpu": {"LTXVAudioVAELoader", "LTXVEmptyLatentAudio", "LTXVConcatAVLatent",
-                                      "LTXVSeparateAVLatent", "LTXVAudioVAEDecode"}}   # LTX-2: ComfyUI 0.33+
+                                      "LTXVSeparateAVLatent", "LTXVAudioVAEDecode"},   # LTX-2: ComfyUI 0.33+
+               # 0.33 names Save LoRA Weights SaveLoRA; 0.3.64 names it SaveLoRANode (same inputs), an id 0.33
+               # does not know: the example names the current one
+               "wan21_lora_training_multi_gpu": {"SaveLoRA"}}
+# Stock node types an older ComfyUI has under another id (the run there uses it).
+OLDER_IDS = {"SaveLoRA": "SaveLoRANode"}   # ComfyUI 0.3.64
 
 
 @pytest.mark.comfyui
 def test_the_template_browser_offers_only_the_examples_this_comfyui_runs(comfyui_server: ComfyServer):
     """ComfyUI lists every example_workflows/*.json of a pack (GET /api/workflow_templates, what the template browser
     reads); the pack takes out the examples whose stock nodes this ComfyUI lacks: LTX-2 on 0.3.64 (no LTX-2 nodes:
-    its card opened into "Some Nodes Are Missing"), none on 0.33. Other packs' entries are left alone."""
+    its card opened into "Some Nodes Are Missing") and the LoRA training (0.3.64's Save LoRA Weights is SaveLoRANode),
+    none on 0.33. Other packs' entries are left alone."""
     server = comfyui_server
     info = server.object_info()
     runnable = {EXAMPLES[n] for n in NAMES if not NEWER_NODES.get(n, set()) - set(info)}
@@ -358,8 +369,9 @@ def test_the_template_browser_offers_only_the_examples_this_comfyui_runs(comfyui
     if "LTXVAudioVAELoader" in info:
         assert runnable == set(EXAMPLES.values())
     else:
-        assert runnable == set(EXAMPLES.values()) - {EXAMPLES["ltx2_t2v_multi_gpu"]}
-        assert "the example workflow 'LTX-2 19B text-to-video with audio (multi-GPU)' is not offered" in server.log()
+        assert runnable == set(EXAMPLES.values()) - {EXAMPLES[n] for n in NEWER_NODES}
+        for n in NEWER_NODES:
+            assert f"the example workflow {EXAMPLES[n]!r} is not offered" in server.log(), n
     # the card's files stay served, for a link saved before
     for title in EXAMPLES.values():
         status, _ = server._request("GET", f"/api/workflow_templates/{PACK_LINK_NAME}/{quote(title)}.json")
@@ -389,6 +401,8 @@ def test_every_node_and_input_is_valid_for_this_comfyui(comfyui_server: ComfySer
                 options = opts.get("options", typ if isinstance(typ, list) else [])
                 if key in FILE_FOLDERS:  # the examples name the real files, which this server lacks
                     assert value == "none" or value.endswith(".safetensors"), (kind, key, value)
+                elif (kind, key) in INPUT_FILES:   # the user's own file in ComfyUI's input folder
+                    assert value.endswith(INPUT_FILES[kind, key]), (kind, key, value)
                 else:
                     assert value in options, (kind, key, value)
             elif typ in ("INT", "FLOAT", "FLOAT,INT"):   # "FLOAT,INT": a number of either type (0.33's MultiType)
@@ -455,11 +469,16 @@ def test_mgpu_vae_decode_keeps_this_comfyuis_default_settings(comfyui_server: Co
     assert set(defaults) == {"devices", "tile_size", "overlap", "temporal_size", "temporal_overlap"}
 
 
+def _saved_videos(entry: dict) -> list[dict]:
+    """What SaveVideo wrote (type output; a loss graph's preview is a temp image)."""
+    return [i for out in entry["outputs"].values() for i in out.get("images", []) if i.get("type") == "output"]
+
+
 def _video(server: ComfyServer, entry: dict) -> tuple[int, int, int]:
     """(frames, width, height) of the video SaveVideo wrote."""
     import av
 
-    (item,) = [i for out in entry["outputs"].values() for i in out.get("images", [])]
+    (item,) = _saved_videos(entry)
     with av.open(str(server.output_dir / item["subfolder"] / item["filename"])) as container:
         frames = [f for f in container.decode(video=0)]
     return len(frames), frames[0].width, frames[0].height
@@ -598,7 +617,7 @@ print(json.dumps(shapes))
 def _audio_streams(server: ComfyServer, entry: dict) -> int:
     import av
 
-    (item,) = [i for out in entry["outputs"].values() for i in out.get("images", [])]
+    (item,) = _saved_videos(entry)
     with av.open(str(server.output_dir / item["subfolder"] / item["filename"])) as container:
         return len(container.streams.audio)
 
@@ -687,3 +706,103 @@ def test_wan22_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer, dit_de
     plan = next(out for out in entry["outputs"].values() if "mgpu_plan" in out)["mgpu_plan"][0]
     experts = {p["role"]: p["experts"] for p in plan["placements"] if p["role"].startswith("dit")}
     assert experts == {"dit": "both_resident", "dit_low_noise": "both_resident"}
+
+
+# --- Wan 2.1 LoRA training: MGPU Train LoRA on the sharded DiT, then a sample with the new LoRA -----------------------
+
+LORA_TRAINING = "wan21_lora_training_multi_gpu"
+
+
+def test_the_lora_example_trains_on_the_sharded_dit_and_samples_with_the_new_lora():
+    """The clip is cut and scaled to the plan's frames, width and height (typed once, in MGPU Plan: the training
+    latents are the size of the sample's), encoded by stock VAE Encode on MGPU Load VAE's VAE and captioned by stock
+    CLIP Text Encode on MGPU Load Text Encoder's; MGPU Train LoRA trains on MGPU Load Diffusion Model's MODEL (device
+    fsdp, the plan connected); stock Save LoRA Weights (with the steps), Plot Loss Graph and Load LoRA Model take its
+    outputs, and the sampler samples the same sharded MODEL with the LoRA."""
+    _, api = load(LORA_TRAINING)
+    (plan_id,) = [i for i, n in api.items() if n["class_type"] == "MgpuPlan"]
+    (train_id, train), = [(i, n["inputs"]) for i, n in api.items() if n["class_type"] == "MgpuTrainLoRA"]
+
+    def source(link: list, kind: str) -> dict:
+        node = api[link[0]]
+        assert node["class_type"] == kind, (link, node["class_type"], kind)
+        return node["inputs"]
+
+    dit = source(train["model"], "MgpuLoadDiffusionModel")
+    assert dit["device"] == "fsdp" and dit["plan"] == [plan_id, 0]
+    encode = source(train["latents"], "VAEEncode")
+    assert source(encode["vae"], "MgpuLoadVAE")["plan"] == [plan_id, 0]
+    scale = source(encode["pixels"], "ImageScale")
+    assert (scale["width"], scale["height"], scale["crop"]) == ([plan_id, 1], [plan_id, 2], "center")
+    cut = source(scale["image"], "ImageFromBatch")
+    assert (cut["batch_index"], cut["length"]) == (0, [plan_id, 3])
+    source(source(cut["image"], "GetVideoComponents")["video"], "LoadVideo")
+    assert source(source(train["positive"], "CLIPTextEncode")["clip"], "MgpuLoadTextEncoder")["plan"] == [plan_id, 0]
+    assert (train["algorithm"], train["existing_lora"]) == ("LoRA", "[None]")
+
+    (save,) = [n["inputs"] for n in api.values() if n["class_type"] == "SaveLoRA"]
+    assert save["lora"] == [train_id, 0] and save["steps"] == [train_id, 2] and save["prefix"].startswith("loras/")
+    (graph,) = [n["inputs"] for n in api.values() if n["class_type"] == "LossGraphNode"]
+    assert graph["loss"] == [train_id, 1]
+    (sampler,) = [n["inputs"] for n in api.values() if n["class_type"] == "MgpuFSDPSampler"]
+    shift = source(sampler["model"], "ModelSamplingSD3")
+    with_lora = source(shift["model"], "LoraModelLoader")
+    assert with_lora["model"] == train["model"] and with_lora["lora"] == [train_id, 0]
+    assert with_lora["strength_model"] == 1.0 and with_lora["bypass"] is False   # bypass: ComfyUI 0.33's input
+    assert "mgpufox" in source(sampler["positive"], "CLIPTextEncode")["text"]   # the caption's trigger word
+    assert "mgpufox" in source(train["positive"], "CLIPTextEncode")["text"]
+
+
+def write_clip(path: Path, frames: int = 7, width: int = 96, height: int = 80) -> Path:
+    """A short mp4 (a moving colour gradient) for Load Video: more frames and another size than the plan's, so the
+    example's cut and scale do their work."""
+    import av
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    y, x = np.mgrid[0:height, 0:width]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=16)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for t in range(frames):
+            rgb = np.stack([(x * 2 + t * 20) % 256, (y * 3) % 256, (x + y + t * 35) % 256], -1).astype(np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+@pytest.mark.comfyui
+def test_lora_training_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer):
+    """The twin as written (the DiT on fsdp: two CPU ranks here), 2 optimizer steps at rank 4: the LoRA is saved
+    (its 2 steps in the name, rank-4 adapters), the loss graph written, and the video sampled with the new LoRA on
+    the same sharded MODEL. On ComfyUI 0.3.64 Save LoRA Weights runs under its old id."""
+    server = comfyui_server
+    info = server.object_info()
+    _, api = load(LORA_TRAINING)
+    assert model_files(api) == {"wan2.1_t2v_14B_bf16.safetensors", "wan_2.1_vae.safetensors"}
+    write_tiny_wan21_t2v(server.diffusion_models / "wan2.1_t2v_14B_bf16.safetensors")
+    if not (server.vae / "wan_2.1_vae.safetensors").exists():
+        write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
+    (clip,) = [n["inputs"]["file"] for n in api.values() if n["class_type"] == "LoadVideo"]
+    write_clip(server.base_dir / "input" / clip)
+    prompt = _for_the_run(api, 64, 64, 5)
+    for node in prompt.values():
+        if node["class_type"] == "MgpuTrainLoRA":
+            node["inputs"].update(steps=2, rank=4)
+        elif node["class_type"] not in info and node["class_type"] in OLDER_IDS:
+            node["class_type"] = OLDER_IDS[node["class_type"]]
+    (prefix,) = [n["inputs"]["prefix"] for n in api.values() if n["class_type"] == "SaveLoRA"]
+    before = set(server.output_dir.glob(f"{prefix}_2_steps_*.safetensors"))
+    entry = _run_twin(server, prompt)
+
+    (saved,) = set(server.output_dir.glob(f"{prefix}_2_steps_*.safetensors")) - before
+    lora = load_file(str(saved))
+    downs = {k: v for k, v in lora.items() if k.endswith(".lora_down.weight")}
+    assert downs and all(v.shape[0] == 4 for v in downs.values()), sorted(lora)[:4]
+    assert all(k.startswith("diffusion_model.") for k in lora), sorted(lora)[:4]
+    (graph_id,) = [i for i, n in api.items() if n["class_type"] == "LossGraphNode"]
+    (image,) = entry["outputs"][graph_id]["images"]
+    with Image.open(server.base_dir / image["type"] / image["subfolder"] / image["filename"]) as img:
+        assert img.format == "PNG" and img.width > 100
+    assert _video(server, entry) == (5, 64, 64)
+    assert "MGPU Train LoRA: 2 optimizer steps" in server.log()

@@ -11,7 +11,8 @@ An example whose stock nodes this ComfyUI lacks (LTX-2 on 0.3.64) is not offered
 A screenshot of each warning is kept in test-artifacts/. ``MGPU_UPDATE_THUMBNAILS=1`` first renders each example
 on the canvas and writes example_workflows/<title>.jpg: run it with ComfyUI 0.33.0, which has every example's
 nodes (0.3.64 would open LTX-2 under "Some Nodes Are Missing", and writes only the others). Empty placeholder
-files stand in for the model files while it renders (frontend 1.49 outlines the loaders of absent files in red),
+files stand in for the model files and the training clip while it renders (frontend 1.49 outlines the loaders of
+absent files in red, and reports a Load Video without its file),
 and a thumbnail is refused if a dialog is open (test_example_workflows.py checks the files for one too). Needs
 what tests/test_web.py needs; skips with the reason otherwise.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from comfyui_env import MODEL_FOLDERS, PACK_LINK_NAME, ComfyServer
-from example_files import EXAMPLES, declared_models, load, thumbnail_path
+from example_files import EXAMPLES, declared_models, input_files, load, thumbnail_path
 from test_web import ARTIFACTS, CHROMIUM, LAUNCH_ARGS, MGPU_TYPES, _missing
 
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
@@ -124,9 +125,14 @@ def _runnable(server: ComfyServer) -> list[str]:
     return [n for n in EXAMPLES if {node["type"] for node in load(n)[0]["nodes"]} <= known]
 
 
+def _example_inputs(server: ComfyServer) -> list[Path]:
+    """The files of this server's input folder the examples name (the LoRA example's training clip)."""
+    return sorted({server.base_dir / "input" / f for name in EXAMPLES for f in input_files(load(name)[0])})
+
+
 def _write_thumbnails(browser, server: ComfyServer) -> None:
-    placeholders = [p for p in _example_files(server) if not (p.is_symlink() or p.exists())]
-    for path in placeholders:   # no loader outlined for a missing file; the page reads the lists when it loads
+    placeholders = [p for p in _example_files(server) + _example_inputs(server) if not (p.is_symlink() or p.exists())]
+    for path in placeholders:   # no loader outlined for a missing file (1.49: no "Media input missing" for a clip)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
     try:
