@@ -140,6 +140,7 @@ def first_adapters(base, settings: TrainSettings, existing_weights: dict[str, to
                     f"{key}.dora_scale")) for cls in adapters) if a is not None), None)
                 if loaded is not None:
                     adapter = loaded.to_train().to(dtype)
+                    _check_fits(adapter, name, weight.shape, settings.existing_lora)
                 else:   # the shape and device are all create_train reads of the weight: no weight memory here
                     standin = SimpleNamespace(shape=weight.shape, device=torch.device("cpu"), dtype=weight.dtype)
                     adapter = adapter_maps[settings.algorithm].create_train(standin, rank=settings.rank,
@@ -159,6 +160,18 @@ def first_adapters(base, settings: TrainSettings, existing_weights: dict[str, to
     if not specs:
         raise MgpuError(f"{NODE}: the model has no ComfyUI layer to train an adapter on")
     return specs, first, order
+
+
+def _check_fits(adapter, layer: str, shape: torch.Size, file: str) -> None:
+    """An existing LoRA made for another model: refused by name here, before the ranks get shapes that fail inside
+    the first forward."""
+    up, down = getattr(adapter, "lora_up", None), getattr(adapter, "lora_down", None)
+    if up is None or down is None:
+        return
+    if up.weight.shape[0] != shape[0] or down.weight[0].numel() != shape[1:].numel():
+        raise MgpuError(f"{NODE}: existing_lora {file!r} does not fit this model: its {layer} is "
+                        f"{tuple(up.weight.shape[:1])} x {tuple(down.weight.shape[1:])}, the layer's weight is "
+                        f"{tuple(shape)}. Pick a LoRA trained for this model, or [None]")
 
 
 class TrainingForward(RemoteForward):

@@ -40,6 +40,8 @@ def test_two_ranks_train_cores_lora_in_fp32(tmp_path: Path) -> None:
     facts = train_both(tmp_path, 2, optimizer="SGD", learning_rate=0.01)
     assert_core_lora(facts, 1e-4)
     assert facts["unchanged_after_run"]
+    refused = facts["misfit_refused"]   # an existing LoRA for another model: named before any rank works
+    assert refused.startswith("MgpuError") and "blocks.0.ffn.0" in refused and "x.safetensors" in refused, refused
     assert facts["lora_moves_sample"] > 1e-3, "the comparison below has teeth"
     assert facts["lora_sample_diff"] <= 1e-5 * max(1.0, facts["lora_moves_sample"])
 

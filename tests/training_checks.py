@@ -75,6 +75,14 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
     before = _sample_once(sharded)
     ours, loss_map, steps = training.train(sharded, [latent], [conds], training.TrainSettings(**settings))
     after = _sample_once(sharded)   # the model samples as before the run: the adapters came off the ranks
+    misfit = {"diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(7, 4),
+              "diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 9)}
+    try:
+        training.first_adapters(sharded.model, training.TrainSettings(**{**settings, "existing_lora": "x.safetensors"}),
+                                misfit)
+        refused = ""
+    except Exception as exc:   # noqa: BLE001 - the test asserts what was raised
+        refused = f"{type(exc).__name__}: {exc}"
     # the loop closed: the trained LoRA through stock Load LoRA Model, on the same sharded MODEL and on one device
     one_device = comfy.sd.load_diffusion_model(str(path))
     with_lora = [_sample_once(_with_lora(m, ours)) for m in (sharded, one_device)]
@@ -92,7 +100,7 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
             "dtypes": sorted({str(v.dtype) for v in ours.values()}), "core_dtypes": sorted({str(v.dtype) for v in
                                                                                            core_lora.values()}),
             "core_loss": core_loss, "loss": loss_map["loss"], "steps": steps, "down_max": moved,
-            "unchanged_after_run": torch.equal(before, after),
+            "unchanged_after_run": torch.equal(before, after), "misfit_refused": refused,
             "lora_sample_diff": (with_lora[0] - with_lora[1]).abs().max().item(),
             "lora_moves_sample": (with_lora[1] - _sample_once(one_device)).abs().max().item()}
 
