@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -269,7 +270,11 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
         except RankFailure as exc:
             raise pools.explain(exc, f"{NODE}: training on {label}") from exc
         except CallCancelled as exc:
-            raise_interrupted(exc, f"{NODE} (training on {label}; nothing of this run is kept yet)")
+            kept = _keep_so_far(run, order, settings, optimizer.done)
+            raise_interrupted(exc, f"{NODE} (training on {label}; {kept})")
+        except mm.InterruptProcessingException:   # Cancel seen between two steps, by ComfyUI's progress hook
+            log.info("%s: cancelled; %s", NODE, _keep_so_far(run, order, settings, optimizer.done))
+            raise
         finally:
             _stop(run, label)
     log.info("%s: %d optimizer steps; bytes per run: outputs %s, their gradients %s, adapter gradients summed %s "
@@ -277,6 +282,32 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
                                                   ("outputs", "output_grads", "adapter_reduce")))
     lora = {key: trained[key[len(NETWORK):]].to(DTYPES[settings.lora_dtype]) for key in order}
     return lora, {"loss": losses}, settings.steps + existing_steps
+
+
+def _keep_so_far(run: TrainingRun, order: list[str], settings: TrainSettings, steps: int) -> str:
+    """A cancelled run keeps what its finished optimizer steps trained: the ranks' adapters (they change only at a
+    step) saved as a LoRA in ComfyUI's output folder (``loras/``, core's keys and naming, so Load LoRA and
+    existing_lora take it). Returns what was kept, for the message; never raises over the cancel."""
+    if steps == 0:
+        return "no optimizer step had finished: nothing to keep"
+    try:
+        import time
+
+        import folder_paths
+        from safetensors.torch import save_file
+
+        run.cancelled = None   # ComfyUI's interrupt flag may still be up: this call must not be cancelled too
+        trained = run.adapters()
+        lora = {key: trained[key[len(NETWORK):]].to(DTYPES[settings.lora_dtype]).contiguous() for key in order}
+        folder = os.path.join(folder_paths.get_output_directory(), "loras")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"mgpu_cancelled_lora_{steps}_steps_{time.strftime('%Y%m%d_%H%M%S')}"
+                                    ".safetensors")
+        save_file(lora, path)
+    except Exception as exc:   # noqa: BLE001 - the cancel is what the user must see
+        log.warning("%s: the LoRA of the %d finished steps could not be kept (%s)", NODE, steps, exc)
+        return f"the LoRA of its {steps} finished steps could not be kept: {exc}"
+    return f"the LoRA of its {steps} finished steps is kept in {path}"
 
 
 def _stop(run: TrainingRun, label: str) -> None:

@@ -74,3 +74,14 @@ def test_an_fp8_base_stays_fp8_on_the_ranks_and_trains_cores_lora(tmp_path: Path
     facts = train_both(tmp_path, 2, file_dtype="fp8", optimizer="SGD", learning_rate=0.01,
                        gradient_checkpointing=True)
     assert_core_lora(facts, 1e-4, loss_tolerance=2e-4)
+
+
+def test_cancel_keeps_the_lora_of_the_finished_steps_and_the_next_run_is_fresh(tmp_path: Path) -> None:
+    """Cancel during the third of 4 steps: the node ends as ComfyUI's interrupt, the LoRA after the 2 finished steps
+    is saved in ComfyUI's output folder (loras/) and equals a 2-step run's bit for bit; the next run on the same
+    ranks equals a fresh one."""
+    facts = run_checks("training_checks", "check_cancel_keeps_the_finished_steps", str(tmp_path), BASE, timeout=900)
+    assert facts["interrupted"] == "InterruptProcessingException" and not facts["flag_left"]
+    assert len(facts["files"]) == 1 and facts["same_keys"]
+    assert facts["kept_equals_two_steps"]
+    assert facts["again_equals_fresh"]

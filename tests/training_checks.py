@@ -125,3 +125,44 @@ def _sample_once(model) -> torch.Tensor:
     out = comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", pos, pos, latent, seed=1, disable_pbar=True)
     assert torch.isfinite(out).all()
     return out
+
+
+def check_cancel_keeps_the_finished_steps(folder: str, settings: dict) -> dict:
+    """ComfyUI's Cancel during step 3 of 4 (the interrupt flag raised after 2 optimizer steps): the node ends as an
+    interrupt, the LoRA of the 2 finished steps is in ComfyUI's output folder, equal to a 2-step run's; the model
+    still samples, and a run after it equals a fresh one."""
+    import comfy.model_management as mm
+    import folder_paths
+    from safetensors.torch import load_file
+
+    from loaders import diffusion, training
+
+    _write_wan(Path(folder) / WAN, "float32")
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    folder_paths.set_output_directory(str(Path(folder) / "output"))
+    latent, conds = _data(2)
+    sharded = diffusion.load(WAN, "default", "fsdp", 2)
+    two, _, _ = training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 2}))
+
+    real_step = training.RemoteOptimizer.step
+
+    def step(self):
+        real_step(self)
+        if self.done == 2:
+            mm.interrupt_current_processing(True)   # the user presses Cancel
+
+    training.RemoteOptimizer.step = step
+    interrupted = ""
+    try:
+        training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 4}))
+    except mm.InterruptProcessingException as exc:
+        interrupted = type(exc).__name__
+    finally:
+        training.RemoteOptimizer.step = real_step
+    kept = sorted((Path(folder) / "output" / "loras").glob("mgpu_cancelled_lora_2_steps_*.safetensors"))
+    saved = load_file(str(kept[0])) if kept else {}
+    again, _, _ = training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 2}))
+    return {"interrupted": interrupted, "files": [p.name for p in kept], "flag_left": mm.processing_interrupted(),
+            "same_keys": sorted(saved) == sorted(two),
+            "kept_equals_two_steps": bool(saved) and all(torch.equal(saved[k], two[k]) for k in two),
+            "again_equals_fresh": all(torch.equal(again[k], two[k]) for k in two)}
