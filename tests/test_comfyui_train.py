@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from comfyui_env import run_checks
 
-pytestmark = pytest.mark.comfyui
+pytestmark = [pytest.mark.comfyui, pytest.mark.timeout(900)]   # core and ours, on a shared CI machine
 
 BASE = {"batch_size": 2, "steps": 4, "learning_rate": 0.001, "rank": 4, "optimizer": "AdamW", "loss_function": "MSE",
         "seed": 3, "training_dtype": "fp32", "lora_dtype": "fp32", "algorithm": "LoRA",

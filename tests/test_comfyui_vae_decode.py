@@ -112,7 +112,7 @@ def test_cancel_stops_between_tiles_and_the_next_run_works(tmp_path):
     assert facts["raised"] == "InterruptProcessingException"
     assert facts["decoded_after_cancel"] <= 2 < facts["tiles"]   # at most the tile each device had begun
     assert facts["threads_left"] == [] and facts["flag_cleared"]
-    assert facts["next_run_ok"] == [2, 192, 320, 3]
+    assert facts["next_run_ok"] == [2, 128, 192, 3]
 
 
 def test_a_failing_device_names_itself_and_a_bad_devices_text_fails_before_decoding(tmp_path):

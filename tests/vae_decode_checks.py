@@ -201,7 +201,7 @@ def check_failures(_folder: str) -> dict:
             raise RuntimeError("the copy's device broke")
 
     calls = Calls(type(vae.first_stage_model), fail_on_copy)
-    samples = latent(1, 4, 24, 40)
+    samples = latent(1, 4, 16, 24)
     facts = {}
     with torch.inference_mode():
         for name, devices in (("failing", "cpu,cpu"), ("missing", "cpu,cuda:3"), ("garbled", "cpu;cpu")):
@@ -236,7 +236,7 @@ def check_plan(_folder: str) -> dict:
 
     vae = image_vae()
     calls = Calls(type(vae.first_stage_model))
-    samples = latent(1, 4, 24, 40)
+    samples = latent(1, 4, 16, 24)
     with torch.inference_mode():
         ref = stock(vae, samples)
         ref_whole = nodes.VAEDecode().decode(vae, samples)[0]
