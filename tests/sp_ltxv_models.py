@@ -103,7 +103,7 @@ def self_attention_tokens(ctx, payload: dict, tensors: dict[str, torch.Tensor]) 
 def dense_mask_error(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> dict:
     """Rank op: the forward with a dense [1, 1, tokens, tokens] self-attention mask, as a future ComfyUI could
     build it; returns the error it raised (None if it ran)."""
-    from mgpu.sharding.model_ops import _clean_after_failed_forward
+    from mgpu.sharding.model_ops import clean_after_failed_forward
 
     entry = ctx.objects[payload["handle"]]
     model = entry["model"]
@@ -114,7 +114,7 @@ def dense_mask_error(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> di
             model(**{k: v.clone() for k, v in tensors.items()})
         return {"error": None}
     except Exception as exc:   # noqa: BLE001 - the test reads its type and message
-        _clean_after_failed_forward(ctx, entry)
+        clean_after_failed_forward(ctx, entry)
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         del model._build_guide_self_attention_mask
@@ -210,7 +210,7 @@ def ltxav_attention_tokens(ctx, payload: dict, tensors: dict[str, torch.Tensor])
 def ltxav_dense_mask_error(ctx, payload: dict, tensors: dict[str, torch.Tensor]) -> dict:
     """Rank op: a batch-1 forward whose video self-attention gets a dense [1, 1, tokens, tokens] mask, as a future
     ComfyUI could build it; returns the error it raised (None if it ran)."""
-    from mgpu.sharding.model_ops import _clean_after_failed_forward
+    from mgpu.sharding.model_ops import clean_after_failed_forward
 
     entry = ctx.objects[payload["handle"]]
     model = entry["model"]
@@ -221,7 +221,7 @@ def ltxav_dense_mask_error(ctx, payload: dict, tensors: dict[str, torch.Tensor])
             model(**ltxav_inputs(1))
         return {"error": None}
     except Exception as exc:   # noqa: BLE001 - the test reads its type and message
-        _clean_after_failed_forward(ctx, entry)
+        clean_after_failed_forward(ctx, entry)
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         del model._build_guide_self_attention_mask
