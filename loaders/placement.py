@@ -339,7 +339,11 @@ def plan_to_follow(role: str, path: str, choice: str, plan=None, *, weight_dtype
                 why = why or f"fsdp_ranks {fsdp_ranks}: {len(ranks)} ranks where the MGPU Plan has {len(group)}"
                 followed = own(ranks)
     if why is not None:
+        from mgpu.weights.quant import FP8_COMPUTE   # imports torch, as the plan's fp8 line did
+
         for reason in followed.placement(role).reasons:
+            if role == "dit" and reason.startswith(FP8_COMPUTE):
+                continue   # the load logs what the ranks compute fp8 with, from the ranks themselves
             log.info("%s: %s: %s", _node(role), why, reason)
     return followed
 

@@ -138,7 +138,7 @@ def test_gpu_check_watchdog_ends_a_hung_run_and_its_ranks():
     watchdog = report["watchdog"]
     assert watchdog["killed"] and watchdog["while_running"] == "hang"
     assert report["sections"]["environment"]["ok"]   # what finished before the hang is kept
-    assert took < 5 + 20 + 30                       # deadline + grace + the kill and slow start-up on shared cores
+    assert took < 5 + 20 + 90   # deadline + grace + the kill and a start-up slowed by CI's two suites side by side
     for pid in [report["pid"], *report["rank_pids"]]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
     assert _work_dirs() == before, "the killed run left its temporary files"

@@ -234,10 +234,13 @@ def _device_fp8_path(device: str, capability: tuple[int, int] | None, forced: bo
     return Fp8Compute(device, True, sm)
 
 
+FP8_COMPUTE = "fp8 compute: "
+
+
 def fp8_compute_line(paths: Iterable[Fp8Compute | str]) -> str:
     """One line for a log or a plan: ``fp8 compute: torch._scaled_mm on cuda:0 (sm_90)``, equal entries once
     (paths, or their ``str``: the ranks send them as plain data)."""
-    return "fp8 compute: " + "; ".join(dict.fromkeys(str(p) for p in paths))
+    return FP8_COMPUTE + "; ".join(dict.fromkeys(str(p) for p in paths))
 
 
 def fp8_plan_line(weight_dtype: str | None, devices: Iterable[tuple[str, tuple[int, int] | None]]) -> str | None:
