@@ -188,20 +188,26 @@ def _checkpoint_units(model: nn.Module) -> list[nn.Module]:
 def _all_reduce(grads: list[torch.Tensor]) -> int:
     """Sum ``grads`` over the ranks in place, in fp32 buckets of ``BUCKET_BYTES``; returns the bytes reduced."""
     sent = 0
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        dist.all_reduce(flat)
+        sent += flat.numel() * 4
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return sent
+
+
+def _buckets(grads: list[torch.Tensor]):
+    """``grads`` in order, cut into runs of at most ``BUCKET_BYTES`` in fp32 (a larger gradient alone)."""
     bucket: list[torch.Tensor] = []
     size = 0
-    for g in [*grads, None]:
-        if g is not None and size + g.numel() * 4 <= BUCKET_BYTES or (g is not None and not bucket):
-            bucket.append(g)
-            size += g.numel() * 4
-            continue
-        if bucket:
-            flat = torch.cat([b.reshape(-1).float() for b in bucket])
-            dist.all_reduce(flat)
-            sent += flat.numel() * 4
-            offset = 0
-            for b in bucket:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
-        bucket, size = ([g], g.numel() * 4) if g is not None else ([], 0)
-    return sent
+    for g in grads:
+        if bucket and size + g.numel() * 4 > BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * 4
+    if bucket:
+        yield bucket
