@@ -182,6 +182,7 @@ def _open_template_card(page, title: str):
     """Open the template browser on the pack's category (named after its custom_nodes folder); the example's card."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+    _close_dialogs(page)   # the command toggles: a browser left open by the last test would close, not open
     page.evaluate("() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
     card = page.locator(f'[data-testid="template-workflow-{title}"]')
     for _ in range(5):  # the dialog selects its first category once its lists load, which can undo an early click
@@ -193,6 +194,16 @@ def _open_template_card(page, title: str):
             continue
     card.wait_for(state="visible", timeout=6_000)
     return card
+
+
+def _close_dialogs(page) -> None:
+    """Escape until no dialog shows (a missing-models dialog, the template browser), at most a few times."""
+    dialogs = page.locator("[role='dialog'], .p-dialog")
+    for _ in range(4):
+        if not any(d.is_visible() for d in dialogs.all()):
+            return
+        page.keyboard.press("Escape")
+        page.wait_for_timeout(300)
 
 
 def _missing_models_shown(page) -> list[dict]:
@@ -225,7 +236,7 @@ def test_example_opens_from_the_template_browser_and_lists_its_model_downloads(t
     if name not in _runnable(comfyui_server):   # LTX-2 on 0.3.64: not offered, so no card opens a missing-nodes dialog
         offered = _open_template_card(page, EXAMPLES[_runnable(comfyui_server)[0]])
         assert offered.is_visible() and page.locator(f'[data-testid="template-workflow-{title}"]').count() == 0
-        page.keyboard.press("Escape")
+        _close_dialogs(page)
         return
     with Image.open(thumbnail_path(name)) as img:
         thumb_width = img.width
@@ -247,7 +258,7 @@ def test_example_opens_from_the_template_browser_and_lists_its_model_downloads(t
         url = next(d["url"] for d in declared if d["name"] == m["name"])
         m["download"].click()
         assert _wait_for_request(page, url), (m["name"], url, page.hf_requests)
-    page.keyboard.press("Escape")
+    _close_dialogs(page)
 
 
 def _wait_for_request(page, url: str, timeout_ms: int = 15_000) -> bool:
