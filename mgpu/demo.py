@@ -353,9 +353,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="store_true",
                    help=f"add a random rank-{LORA_RANK} LoRA on the attention projections")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per pool call before a rank counts as hung")
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true",
+                   help="train a LoRA over the ranks instead of sampling (--steps optimizer steps), against one device")
+    t.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    t.add_argument("--rows", type=int, default=0, help="rows per optimizer step, split over the ranks (default 2 "
+                   "per rank)")
+    t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each block in backward instead of keeping its activations")
 
 
-def _rank_devices(machine: list, requested: int) -> list[str]:
+def rank_devices(machine: list, requested: int) -> list[str]:
     found = gpus(machine)
     if found:
         n = requested or len(found)
@@ -472,7 +481,7 @@ def _gathered_lines(gathered: int, measured: list[dict[str, int]], ckpt: Checkpo
 
 
 @contextlib.contextmanager
-def _work_dir():
+def work_dir():
     """The folder of the demo's checkpoint, removed however the demo ends. A private folder of the rank pool's kind
     (``mgpu.ranks.shm.private_dir``), so a demo killed by SIGKILL leaves nothing that the next pool start (this
     demo's or ComfyUI's) does not sweep; SIGTERM, which would end the process without any cleanup, ends it through
@@ -496,15 +505,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dim % args.heads:
         raise MgpuError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    if args.train:
+        from mgpu import demo_train
+
+        return demo_train.run(args)
     cfg = DemoConfig(dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn, steps=args.steps,
                      weights=args.weights or args.dtype)
     check_weights(cfg)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     guidance = args.parallel != "sp"
     machine = inventory()
-    devices = _rank_devices(machine, args.ranks)
+    devices = rank_devices(machine, args.ranks)
     n = len(devices)
-    with _work_dir() as tmp:
+    with work_dir() as tmp:
         ckpt = make_checkpoint(cfg, tmp)
         size = size_component(ckpt.path)
         print(f"model: diffusers WanTransformer3DModel, dim {cfg.dim}, {cfg.layers} blocks, {cfg.heads} heads, "

@@ -170,6 +170,34 @@ def test_demo_weights_with_lora_match_one_device_and_gather_as_stored(weights, p
     assert low <= ratio <= high, (weights, ratio)
 
 
+@pytest.mark.timeout(300)
+def test_demo_train_matches_one_device_and_gathers_the_base_as_stored():
+    """``demo --train``: a LoRA trained over 2 cpu ranks on a frozen FSDP base equals the one trained on one device
+    (fp32, <= 1e-4 relative, and training moved it), with the same loss per step; per step only the adapters'
+    gradients are all-reduced (their size exactly), and a Q4_K base's blocks gather about 0.15 of their fp32 bytes
+    (forward and backward)."""
+    gathered = {}
+    for weights in ("fp32", "gguf-q4_k"):
+        r = mgpu("demo", *QUANT_DEMO, "--train", "--weights", weights, timeout=280)
+        out = r.stdout
+        assert r.returncode == 0, out + r.stderr
+        assert "OK: the ranks trained the one-device LoRA" in out and "split over 2 cpu ranks" in out
+        assert _number(r"relative L2 (\S+) \(training moved", out) <= 1e-4
+        assert _number(r"moved it (\S+) from its first values", out) > 1e-3
+        ranks = _number(r"loss per step, ranks: +(\S+)", out)
+        assert ranks == _number(r"loss per step, one device: +(\S+)", out) and ranks > 0
+        # 2 blocks x 8 attention projections x rank 16 x (256 + 256) fp32 values
+        assert "adapter gradients all-reduced 512 KiB (the adapters: 512 KiB)" in out
+        gathered[weights] = _number(r"per rank \(the blocks (\S+) MiB", out)
+    # Q4_K: 144 bytes per 256 values (0.14 of fp32) for the Linear weights, their biases and norms fp32
+    assert 0.14 <= gathered["gguf-q4_k"] / gathered["fp32"] <= 0.17, gathered
+
+
+def test_demo_train_refuses_what_it_does_not_train():
+    r = mgpu("demo", *TINY_DEMO, "--train", "--parallel", "sp")
+    assert r.returncode == 2 and "--train with --parallel sp" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_demo_refuses_gguf_blocks_that_do_not_divide_the_rows():
     r = mgpu("demo", *TINY_DEMO, "--weights", "gguf-q4_k")
     assert r.returncode == 2, r.stdout + r.stderr

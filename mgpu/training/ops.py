@@ -51,7 +51,7 @@ class Run:
 def start(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     """Install the adapters (built by ``payload["adapters"]``, a factory path, from the host's first values) in the
     model's layers, turn the host library's training paths on (``payload["mode"]``, a path called with True now and
-    False when the run ends), switch gradient checkpointing per FSDP unit on if asked, and make the optimizer. A run this
+    False when the run ends; None: the model has no such switch), switch gradient checkpointing per FSDP unit on if asked, and make the optimizer. A run this
     model still carries (its host went away mid-run) ends first."""
     entry = ctx.objects[payload["handle"]]
     if RUN in entry:
@@ -59,7 +59,8 @@ def start(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     model: nn.Module = entry["model"]
     if payload["optimizer"] not in OPTIMIZERS:
         raise ValueError(f"optimizer {payload['optimizer']!r}: choose one of {', '.join(OPTIMIZERS)}")
-    build, mode = import_path(payload["adapters"]), import_path(payload["mode"])
+    build = import_path(payload["adapters"])
+    mode = import_path(payload["mode"]) if payload.get("mode") else _no_switch
     found = build(payload["specs"], tensors, payload["lora_dtype"], ctx.torch_device)
     reset_after_failed_forward(model)   # whatever the last sampling step left, the first forward starts afresh
     attached = adapter_mod.attach(model, found)
@@ -161,6 +162,10 @@ def _failed(ctx: RankContext, entry: dict) -> None:
     run.graphs.clear()
     run.optimizer.zero_grad()
     model_ops.clean_after_failed_forward(ctx, entry)
+
+
+def _no_switch(on: bool) -> None:
+    """The training switch of a model whose library has none."""
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):

@@ -42,8 +42,8 @@ class TrainingRun:
             self.sharded.reset_cache()   # a failed op drops the ranks' cached inputs (and a lost pool has none)
             raise
 
-    def start(self, specs: list[dict], first: dict[str, torch.Tensor], *, factory: str, mode: str, optimizer: str,
-              learning_rate: float, training_dtype: str, lora_dtype: str, gradient_checkpointing: bool) -> dict:
+    def start(self, specs: list[dict], first: dict[str, torch.Tensor], *, factory: str, mode: str | None,
+              optimizer: str, learning_rate: float, training_dtype: str, lora_dtype: str, gradient_checkpointing: bool) -> dict:
         """Install the adapters ``specs`` describes with the values ``first`` (LoRA keys) on every rank."""
         sync = getattr(self.sharded, "sync_patches", None)   # the model's own weight patches, as when sampling
         if sync is not None:
