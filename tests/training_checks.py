@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 WAN = "mgpu_train_wan.safetensors"
+GGUF = "mgpu_train_wan-Q8_0.gguf"
 TEXT_WIDTH = 4096
 
 
@@ -21,15 +22,25 @@ def _data(rows: int, seed: int = 5, captions: int = 1) -> tuple[dict, list]:
     return latent, conds
 
 
-def _write_wan(path: Path, file_dtype: str) -> Path:
-    """The tiny Wan in ``file_dtype``; ``fp8``: as plain fp8 files store it (matrices float8_e4m3fn, the rest
-    fp32)."""
+def _write_wan(folder: Path, file_dtype: str) -> tuple[str, Path]:
+    """The tiny Wan in ``file_dtype``: the name MGPU loads and the file core loads. ``fp8``: as plain fp8 files
+    store it (matrices float8_e4m3fn, the rest fp32); ``gguf-q8_0``: the blocks' matrices Q8_0 in a GGUF file (the
+    rest F32) for MGPU, and for core (which reads no GGUF) a safetensors file of the values the GGUF holds
+    (gguf-py's dequantization)."""
     from comfy_checkpoints import random_state_dict, save_checkpoint, wan21_dit_shapes, write_tiny_wan21_t2v
 
+    path = folder / WAN
+    if file_dtype == "gguf-q8_0":
+        from mgpu.weights.gguf_write import write_gguf
+
+        sd = random_state_dict(wan21_dit_shapes(), dtype=torch.float32)
+        types = {k: "Q8_0" if v.ndim == 2 and k.startswith("blocks.") else "F32" for k, v in sd.items()}
+        held = write_gguf(folder / GGUF, sd, types)
+        return GGUF, save_checkpoint(path, held)
     if file_dtype != "fp8":
-        return write_tiny_wan21_t2v(path, dtype=getattr(torch, file_dtype))
+        return WAN, write_tiny_wan21_t2v(path, dtype=getattr(torch, file_dtype))
     sd = random_state_dict(wan21_dit_shapes(), dtype=torch.float32)
-    return save_checkpoint(path, {k: v.to(torch.float8_e4m3fn) if v.ndim >= 2 else v for k, v in sd.items()})
+    return WAN, save_checkpoint(path, {k: v.to(torch.float8_e4m3fn) if v.ndim >= 2 else v for k, v in sd.items()})
 
 
 def _core_train(model, latent: dict, conds: list, settings: dict) -> tuple[dict, list]:
@@ -60,7 +71,7 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
 
     from loaders import diffusion, training
 
-    path = _write_wan(Path(folder) / WAN, file_dtype)
+    name, path = _write_wan(Path(folder), file_dtype)
     folder_paths.add_model_folder_path("diffusion_models", folder)
     latent, conds = _data(rows, captions=captions)
     core_lora, core_loss = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
@@ -71,7 +82,7 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
     finally:
         torch.set_num_threads(threads)
 
-    sharded = diffusion.load(WAN, "default", "fsdp", ranks)
+    sharded = diffusion.load(name, "default", "fsdp", ranks)
     before = _sample_once(sharded)
     ours, loss_map, steps = training.train(sharded, [latent], [conds], training.TrainSettings(**settings))
     after = _sample_once(sharded)   # the model samples as before the run: the adapters came off the ranks
@@ -137,7 +148,7 @@ def check_cancel_keeps_the_finished_steps(folder: str, settings: dict) -> dict:
 
     from loaders import diffusion, training
 
-    _write_wan(Path(folder) / WAN, "float32")
+    _write_wan(Path(folder), "float32")
     folder_paths.add_model_folder_path("diffusion_models", folder)
     folder_paths.set_output_directory(str(Path(folder) / "output"))
     latent, conds = _data(2)
