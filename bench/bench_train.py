@@ -7,8 +7,10 @@ ComfyUI's own WanModel with random weights, ComfyUI's LoRA adapters (rank 16 on 
 makes them), one optimizer step = forward + backward + step on a global batch of 2 rows. Prints, 2 cpu ranks against
 1 at the same global batch: the optimizer-step time (gathered weights kept between steps, and resharded after every
 forward), the bytes per step by kind as counted at the collectives (FSDP's all-gathers in forward and again in
-backward, the adapters' gradient all-reduce) beside what DDP of the whole model would all-reduce, and the CPU time
-per step. On CPU ranks each rank gets cores/ranks threads, so N ranks do not fight over the same cores.
+backward, the adapters' gradient all-reduce) beside what DDP of the whole model would all-reduce, the CPU time per
+step, the peak working memory of a step per rank with gradient checkpointing and without, and the bytes gathered per
+step when the file stores the blocks' matrices fp8 or Q4_K. On CPU ranks each rank is one "device" of cores / 2
+threads, the single rank too: 2 ranks against 1 is then 2 devices against 1, as on GPUs (ideal ratio 0.5).
 """
 
 from __future__ import annotations
@@ -57,18 +59,29 @@ def _import_comfyui() -> None:
     import_comfyui(os.environ["COMFYUI_PATH"])
 
 
-def wan_network(dim: int, layers: int):
-    """ComfyUI's WanModel (t2v) at ``dim``, fp32, ComfyUI's casting layers (they take the adapters)."""
+def wan_network(dim: int, layers: int, storage: str = "fp32"):
+    """ComfyUI's WanModel (t2v) at ``dim``, fp32, ComfyUI's casting layers (they take the adapters); ``fp8``: the
+    blocks' Linear weights kept float8_e4m3fn, as the file stores them (GGUF files are wrapped by the loader)."""
     _import_comfyui()
     import comfy.ops
     from comfy.ldm.wan.model import WanModel
 
-    return WanModel(model_type="t2v", patch_size=(1, 2, 2), text_len=64, in_dim=16, dim=dim, ffn_dim=dim * 3,
+    model = WanModel(model_type="t2v", patch_size=(1, 2, 2), text_len=64, in_dim=16, dim=dim, ffn_dim=dim * 3,
                     freq_dim=256, text_dim=256, out_dim=16, num_heads=dim // 64, num_layers=layers,
                     operations=comfy.ops.disable_weight_init)
+    if storage == "fp8":
+        from mgpu.weights.quant import store_as
+
+        store_as(model.blocks, torch.float8_e4m3fn)
+    return model
 
 
-def checkpoint(cfg: Config, folder: str) -> tuple[str, int]:
+STORAGES = ("fp32", "fp8", "gguf-q4_k")   # how the checkpoint stores the blocks' matrices
+
+
+def checkpoint(cfg: Config, folder: str, storage: str = "fp32") -> tuple[str, int]:
+    """The random WanModel as a file: fp32; ``fp8``: the blocks' matrices float8_e4m3fn (a plain fp8 file);
+    ``gguf-q4_k``: a GGUF file with the blocks' matrices Q4_K where their rows are whole 256-value blocks."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -77,8 +90,16 @@ def checkpoint(cfg: Config, folder: str) -> tuple[str, int]:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape) / (p[0].numel() ** 0.5 if p.ndim > 1 else 10))
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    path = os.path.join(folder, "wan.safetensors")
-    save_file(sd, path)
+    blocks = {k for k, v in sd.items() if k.startswith("blocks.") and v.ndim == 2}
+    if storage == "gguf-q4_k":
+        from mgpu.weights.gguf_write import write_gguf
+
+        path = os.path.join(folder, "wan-Q4_K.gguf")
+        write_gguf(path, sd, {k: "Q4_K" if k in blocks and v.shape[1] % 256 == 0 else "F32" for k, v in sd.items()})
+    else:
+        path = os.path.join(folder, f"wan-{storage}.safetensors")
+        save_file({k: v.to(torch.float8_e4m3fn) if storage == "fp8" and k in blocks else v for k, v in sd.items()},
+                  path)
     return path, sum(v.numel() for v in sd.values())
 
 
@@ -112,20 +133,53 @@ def inputs(cfg: Config) -> tuple[dict, torch.Tensor]:
     return x, torch.randn(2, 16, f, h, w, generator=g)
 
 
-def run(n: int, cfg: Config, path: str, reshard: bool, threads: int) -> dict:
-    """One pool of ``n`` cpu ranks: seconds per optimizer step (median after a warm-up), bytes by kind per step."""
+_PROBES: list = []   # on a rank: the open peak measurement (peak_start .. peak_stop)
+
+
+def peak_start(ctx, payload: dict, tensors: dict) -> dict:
+    """Rank op: start counting this rank's working memory (a GPU's allocator peak, or on the CPU the storages
+    created from now on, ``memprobe.LiveBytes``), across the calls of one optimizer step."""
+    if ctx.torch_device.type == "cuda":
+        torch.cuda.synchronize(ctx.torch_device)
+        torch.cuda.reset_peak_memory_stats(ctx.torch_device)
+        _PROBES.append(torch.cuda.memory_allocated(ctx.torch_device))
+    else:
+        from memprobe import LiveBytes
+
+        probe = LiveBytes()
+        probe.__enter__()   # the mode stays on this rank's thread until peak_stop
+        _PROBES.append(probe)
+    return {}
+
+
+def peak_stop(ctx, payload: dict, tensors: dict) -> dict:
+    """Rank op: the peak bytes above the start, since ``peak_start``."""
+    probe = _PROBES.pop()
+    if isinstance(probe, int):
+        torch.cuda.synchronize(ctx.torch_device)
+        return {"peak": torch.cuda.max_memory_allocated(ctx.torch_device) - probe}
+    probe.__exit__(None, None, None)
+    return {"peak": probe.peak}
+
+
+def run(n: int, cfg: Config, path: str, reshard: bool, threads: int, checkpointing: bool = True,
+        steps: int | None = None, storage: str = "fp32") -> dict:
+    """One pool of ``n`` cpu ranks: seconds per optimizer step (median after a warm-up), bytes by kind per step, and
+    the peak working memory of one more step (activations, gathered blocks, gradients; the largest rank's)."""
+    steps = cfg.steps if steps is None else steps
     pool = RankPool(PoolConfig(devices=["cpu"] * n, extra_sys_path=[HERE, os.path.join(ROOT, "tests")],
                                call_timeout_s=900, env={"OMP_NUM_THREADS": str(threads)}))
     try:
         sharded = ShardedModule(pool, ModelSpec(factory=FACTORY, checkpoint=path, reshard_after_forward=reshard,
-                                                factory_kwargs={"dim": cfg.dim, "layers": cfg.layers}))
+                                                param_dtype="fp32", factory_kwargs={"dim": cfg.dim, "layers": cfg.layers,
+                                                                                    "storage": storage}))
         sharded.load()
         specs, first = first_adapters(cfg)
         x, target = inputs(cfg)
         training = TrainingRun(sharded)
         training.start(specs, first, factory="loaders.train_adapters:build",
                        mode="loaders.train_adapters:training_mode", optimizer="AdamW", learning_rate=1e-4,
-                       training_dtype="fp32", lora_dtype="fp32", gradient_checkpointing=True)
+                       training_dtype="fp32", lora_dtype="fp32", gradient_checkpointing=checkpointing)
 
         def step() -> float:
             t0 = time.perf_counter()
@@ -136,17 +190,19 @@ def run(n: int, cfg: Config, path: str, reshard: bool, threads: int) -> dict:
         step()
         pool.call("bench_sp:count_collectives")   # wraps the collectives; counts from here
         cpu0 = sum(r.payload["seconds"] for r in pool.call("bench_sp:cpu_seconds"))
-        times = [step() for _ in range(cfg.steps)]
+        times = [step() for _ in range(steps)]
         cpu1 = sum(r.payload["seconds"] for r in pool.call("bench_sp:cpu_seconds"))
         counted = pool.call("bench_sp:count_collectives")[0].payload
-        reduced = training.bytes["adapter_reduce"] // (cfg.steps + 1)
+        reduced = training.bytes["adapter_reduce"] // (steps + 1)
+        pool.call("bench_train:peak_start")
+        step()
+        peak = max(r.payload["peak"] for r in pool.call("bench_train:peak_stop"))
         training.stop()
-        return {"ranks": n, "reshard_after_forward": reshard, "step_seconds": statistics.median(times),
-                "cpu_seconds_per_step": (cpu1 - cpu0) / cfg.steps,
-                "fsdp_all_gather_per_step": counted.get("fsdp_all_gather", {}).get("from_other_ranks", 0)
-                // cfg.steps,
+        return {"ranks": n, "reshard_after_forward": reshard, "gradient_checkpointing": checkpointing,
+                "step_seconds": statistics.median(times), "cpu_seconds_per_step": (cpu1 - cpu0) / steps,
+                "fsdp_all_gather_per_step": counted.get("fsdp_all_gather", {}).get("from_other_ranks", 0) // steps,
                 "adapter_all_reduce_per_step": reduced if n > 1 else 0,
-                "adapter_bytes": training.started["adapter_bytes"]}
+                "adapter_bytes": training.started["adapter_bytes"], "peak_step_bytes": peak}
     finally:
         pool.close()
 
@@ -166,19 +222,29 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(128, 2, 64, 16, 1) if args.quick else Config(args.dim, args.layers, args.tokens, 64, args.steps)
     _import_comfyui()
     cores = os.cpu_count() or 1
+    half = max(1, cores // 2)
     with tempfile.TemporaryDirectory(prefix="mgpu-bench-train-") as folder:
         path, params = checkpoint(cfg, folder)
-        one = run(1, cfg, path, reshard=False, threads=cores)
-        kept = run(2, cfg, path, reshard=False, threads=max(1, cores // 2))
-        resharded = run(2, cfg, path, reshard=True, threads=max(1, cores // 2))
+        one = run(1, cfg, path, reshard=False, threads=half)
+        kept = run(2, cfg, path, reshard=False, threads=half)
+        resharded = run(2, cfg, path, reshard=True, threads=half)
+        no_checkpointing = run(2, cfg, path, reshard=True, threads=half, checkpointing=False, steps=1)
+        stored = {"fp32": resharded["fsdp_all_gather_per_step"]}
+        for storage in STORAGES[1:]:
+            quantized, _ = checkpoint(cfg, folder, storage)
+            stored[storage] = run(2, cfg, quantized, reshard=True, threads=half, steps=1,
+                                  storage=storage)["fsdp_all_gather_per_step"]
     ddp = params * 4   # DDP of the whole model: every parameter's fp32 gradient all-reduced per step
     report = {"config": asdict(cfg), "model_params": params, "one_rank": one, "two_ranks_kept": kept,
-              "two_ranks_resharded": resharded,
+              "two_ranks_resharded": resharded, "two_ranks_resharded_no_checkpointing": no_checkpointing,
               "step_ratio_kept": kept["step_seconds"] / one["step_seconds"],
               "step_ratio_resharded": resharded["step_seconds"] / one["step_seconds"],
+              "peak_ratio_checkpointing": resharded["peak_step_bytes"] / no_checkpointing["peak_step_bytes"],
+              "all_gather_per_step_by_storage": stored,
               "ddp_whole_model_all_reduce_per_step": ddp}
     print(f"LoRA training, ComfyUI WanModel dim {cfg.dim} x {cfg.layers} layers ({params:,} params), rank {RANK}, "
-          f"2 rows x {cfg.tokens} tokens per step, gradient checkpointing on, {cores} cores")
+          f"2 rows x {cfg.tokens} tokens per step, gradient checkpointing on, {cores} cores: "
+          f"{half} thread{'s' if half > 1 else ''} per rank")
     print(f"optimizer step: 1 rank {one['step_seconds']:.2f} s; 2 ranks, gathered weights kept "
           f"{kept['step_seconds']:.2f} s (ratio 2/1 {report['step_ratio_kept']:.2f}); resharded after every forward "
           f"{resharded['step_seconds']:.2f} s (ratio 2/1 {report['step_ratio_resharded']:.2f})")
@@ -189,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
           f"DDP of the whole model would all-reduce {format_bytes(ddp)}")
     print(f"CPU seconds per step, all ranks: 1 rank {one['cpu_seconds_per_step']:.2f}, 2 ranks kept "
           f"{kept['cpu_seconds_per_step']:.2f}")
+    print(f"peak working memory of a step per rank (activations, gathered blocks, gradients; 2 ranks, resharded): "
+          f"checkpointing on {format_bytes(resharded['peak_step_bytes'])}, off "
+          f"{format_bytes(no_checkpointing['peak_step_bytes'])} (ratio on/off {report['peak_ratio_checkpointing']:.2f})"
+          f"; 1 rank with both rows, on: {format_bytes(one['peak_step_bytes'])}")
+    bf16 = stored["fp32"] / 2   # every parameter gathered once in forward and once in backward, 2 bytes each
+    print("all-gathered per rank per step by the base's storage (forward + backward), against bf16 storage ("
+          f"{format_bytes(int(bf16))}, the fp32 count halved): " + ", ".join(
+              f"{k} {format_bytes(v)} ({v / bf16:.2f})" for k, v in stored.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -197,7 +197,8 @@ def test_calibrated_formula_covers_comfyuis_measured_peaks(calibration):
 def test_train_bench_measures_a_training_step_over_two_ranks(tmp_path):
     """bench/bench_train.py --quick: 1 rank vs 2 at the same global batch; at the collectives, a kept-gathered model
     all-gathers its weights once per step (forward: FSDP reshards after the backward), a resharding one twice
-    (forward and backward), and the adapters' fp32 gradients are all-reduced once per step, nothing else."""
+    (forward and backward), and the adapters' fp32 gradients are all-reduced once per step, nothing else;
+    checkpointing lowers a rank's peak, an fp8 file's blocks gather fp8 bytes."""
     out = tmp_path / "train.json"
     proc = subprocess.run([sys.executable, str(BENCH / "bench_train.py"), "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=380, env={**ENV, "COMFYUI_PATH": tm.comfyui_path()})
@@ -209,3 +210,11 @@ def test_train_bench_measures_a_training_step_over_two_ranks(tmp_path):
     assert resharded["fsdp_all_gather_per_step"] == 2 * kept["fsdp_all_gather_per_step"] > 0
     assert kept["adapter_all_reduce_per_step"] == kept["adapter_bytes"] > 0
     assert r["ddp_whole_model_all_reduce_per_step"] == 4 * r["model_params"]
+    # checkpointing keeps each block's input instead of its activations: a smaller peak per rank
+    assert resharded["gradient_checkpointing"] and not r["two_ranks_resharded_no_checkpointing"]["gradient_checkpointing"]
+    assert 0 < resharded["peak_step_bytes"] < r["two_ranks_resharded_no_checkpointing"]["peak_step_bytes"]
+    # an fp8 file's blocks gather their fp8 bytes (the rest fp32): about half of fp32's; at --quick's dim no row of
+    # a matrix is whole Q4_K blocks, so that file gathers what fp32 does
+    stored = r["all_gather_per_step_by_storage"]
+    assert 0.4 <= stored["fp8"] / stored["fp32"] <= 0.6, stored
+    assert stored["gguf-q4_k"] == stored["fp32"] == resharded["fsdp_all_gather_per_step"], stored

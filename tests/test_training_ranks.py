@@ -126,6 +126,32 @@ def test_two_ranks_train_what_one_process_trains(setup):
     assert run.started["checkpointed_units"] == 3
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_sequence_parallel_model_trains_one_row_over_both_ranks(setup, tmp_path, rows):
+    """The model loaded with sequence parallelism (degree 2): one row (one long video) splits its tokens over both
+    ranks in forward and backward (the all-to-alls and the output gather carry gradients), and so do 3 rows
+    (sampling's choice: even shares, where rows would split 2 + 1); with gradient checkpointing (the recompute
+    exchanges tokens again) the adapters equal the unsharded model's trained in one process."""
+    reference, _, pool = setup
+    path = tmp_path / "wan.safetensors"
+    tm.save_checkpoint(reference, path)
+    sharded = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_comfy_wan", checkpoint=str(path),
+                                            key_prefix=tm.checkpoint_prefix(reference), cached_inputs=("context",),
+                                            sp_degree=2))
+    sharded.load()
+    try:
+        specs, first = first_adapters(reference, seed=3)
+        inputs, target = data(rows)
+        trained, _ = train(sharded, specs, first, inputs, target, steps=3)
+        assert sharded.split == (1, 2)
+    finally:
+        sharded.free()
+    want = reference_run(reference, specs, first, inputs, target, steps=3)
+    for key in want:
+        torch.testing.assert_close(trained[key], want[key], rtol=2e-5, atol=2e-6, msg=key)
+    assert any(not torch.equal(trained[k], first[k]) for k in first if k.endswith("lora_down.weight"))
+
+
 def test_a_cancelled_run_leaves_the_model_and_the_next_run_equals_a_fresh_one(setup):
     """Cancel during a run's forward: CallCancelled with the pool kept; the model's sampling output is what it was
     before the run (the adapters came off), and a new run trains exactly as the first run did."""

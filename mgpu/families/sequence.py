@@ -5,6 +5,11 @@ Token counts need not divide the degree: ranks hold contiguous chunks whose size
 ranks take the extra), and the all-to-alls use those sizes as uneven split sizes, so no padding ever reaches the
 attention (nothing to mask, nothing to strip: the result is exact). Heads must divide the degree: each rank attends
 with ``heads / degree`` whole heads over every token, which is the single-device attention of those heads.
+
+Every exchange is differentiable (``torch.distributed.nn.functional``), so training backpropagates through it: an
+all-to-all's gradient goes back by the reverse all-to-all, an all-gather's is summed over the ranks and each keeps its
+own chunk. A gathered output's gradient therefore enters on one rank of the group (the one that answered for the
+output; the others backpropagate zeros) and reaches every rank's tokens through that sum.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as differentiable
 
 from mgpu.errors import ShardingError
 
@@ -83,8 +89,8 @@ def seq_to_heads(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) ->
         raise ValueError(f"{heads} heads cannot be split over {parts} sequence-parallel ranks (choose_sp_degree)")
     send = x.reshape(b, local, parts, heads // parts, *rest).movedim(2, 0).movedim(2, 1).contiguous()
     recv = send.new_empty((sum(sizes), b, heads // parts, *rest))
-    dist.all_to_all_single(recv, send.flatten(0, 1), output_split_sizes=sizes, input_split_sizes=[local] * parts,
-                           group=group)
+    recv = differentiable.all_to_all_single(recv, send.flatten(0, 1), output_split_sizes=sizes,
+                                            input_split_sizes=[local] * parts, group=group)
     return recv.movedim(0, 1)
 
 
@@ -95,7 +101,8 @@ def heads_to_seq(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) ->
     b, tokens, group_heads, *rest = x.shape
     send = x.movedim(1, 0).contiguous()
     recv = send.new_empty((parts * local, b, group_heads, *rest))
-    dist.all_to_all_single(recv, send, output_split_sizes=[local] * parts, input_split_sizes=sizes, group=group)
+    recv = differentiable.all_to_all_single(recv, send, output_split_sizes=[local] * parts, input_split_sizes=sizes,
+                                            group=group)
     return recv.unflatten(0, (parts, local)).movedim(0, 2).movedim(0, 1).flatten(2, 3)
 
 
@@ -122,6 +129,5 @@ def gather_tokens(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, d
     longest = max(sizes)
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, longest - x.shape[dim]]
     padded = torch.nn.functional.pad(x, pad).contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
+    parts = differentiable.all_gather(padded, group=group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)

@@ -178,11 +178,10 @@ class StepInputs:
     layout: Layout
 
 
-def step_inputs(ctx: RankContext, entry: dict, payload: dict, tensors: Tensors,
-                layout: Layout | None = None) -> StepInputs:
+def step_inputs(ctx: RankContext, entry: dict, payload: dict, tensors: Tensors) -> StepInputs:
     """Resolve a forward's references (``ShardedModule.forward``'s payload) to this rank's rows, on its device,
-    after updating the model's context cache. ``layout`` forces a split (training: rows only); by default the
-    best split for the batch among the loaded degrees, or every rank the whole batch when ``split`` is off."""
+    after updating the model's context cache: the best split for the batch among the loaded degrees, or every rank
+    the whole batch when ``split`` is off."""
     cache: dict[str, torch.Tensor] = entry["cache"]  # per model: each host handle mirrors its own LRU
     for digest in payload.get("cache_drop", ()):
         cache.pop(digest, None)
@@ -192,8 +191,7 @@ def step_inputs(ctx: RankContext, entry: dict, payload: dict, tensors: Tensors,
     batch = payload["batch"]
     layouts: Layouts = entry["layouts"]
     split = payload.get("split", True)
-    if layout is None:
-        layout = layouts.for_rows(batch) if split else Layout(ctx.world_size, 1)
+    layout = layouts.for_rows(batch) if split else Layout(ctx.world_size, 1)
     layouts.use(layout)
     lo, hi, answers = rank_rows(batch, layout, ctx.rank, split)
     empty = lo == hi

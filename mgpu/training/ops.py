@@ -1,12 +1,14 @@
 """Rank ops of a training run, called by path (``"mgpu.training.ops:forward"``) on a model ``model_ops.load`` loaded.
 
-Data parallel: every network call of a step splits its batch rows over all ranks (no sequence split yet); each rank
-keeps its part of the autograd graph until the host sends the gradient of the call's output, so the host computes
-the loss exactly as ComfyUI's Train LoRA does (its own ``model_sampling``, loss function and averaging over the
-conditionings) and only the output and its gradient travel per call. The adapters are replicated: their gradients
-are partial sums over each rank's rows, summed by one all-reduce per bucket at ``step``, and then every rank runs
-the same optimizer update on the same values, so they stay identical without ever being broadcast. Adapters are a
-few hundred MB even for a 14B model at rank 32, which is why they are not sharded (see ARCHITECTURE.md).
+Every network call of a step takes the split a sampling step of its rows would (``mgpu.families.Layouts``): its
+batch rows over the ranks, or, with fewer rows than ranks and a model loaded with sequence parallelism, each row's
+tokens over a group of ranks (the exchanges carry gradients, ``mgpu.families.sequence``). Each rank keeps its part of
+the autograd graph until the host sends the gradient of the call's output, so the host computes the loss exactly as
+ComfyUI's Train LoRA does (its own ``model_sampling``, loss function and averaging over the conditionings) and only
+the output and its gradient travel per call. The adapters are replicated: their gradients are partial sums over each
+rank's rows or tokens, summed by one all-reduce per bucket at ``step``, and then every rank runs the same optimizer
+update on the same values, so they stay identical without ever being broadcast. Adapters are a few hundred MB even
+for a 14B model at rank 32, which is why they are not sharded (see ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from mgpu.families import Layout
 from mgpu.ranks.rank import RankContext, Tensors, import_path
 from mgpu.sharding import model_ops
 from mgpu.sharding.fsdp import reset_after_failed_forward
@@ -81,7 +82,7 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
     """One network call of a step on this rank's rows, gradients on; the graph waits for ``backward``."""
     entry = ctx.objects[payload["handle"]]
     run: Run = entry[RUN]
-    step = model_ops.step_inputs(ctx, entry, payload, tensors, layout=Layout(ctx.world_size, 1))
+    step = model_ops.step_inputs(ctx, entry, payload, tensors)   # the split sampling would take for these rows
     try:
         with torch.enable_grad(), _autocast(ctx.torch_device, run.autocast):
             out = model_ops.output_of(entry["model"](*step.args, **step.kwargs))
@@ -96,13 +97,15 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
 
 
 def backward(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
-    """The gradient of one forward's output reaches this rank's rows (zeros for a rank that had none, which still
-    joins the backward's all-gathers); the adapters' gradients accumulate."""
+    """The gradient of one forward's output enters where that output left: on the rank that answered for its rows
+    (the others backpropagate zeros: a rank without rows, which still joins the backward's all-gathers, and the other
+    ranks of a sequence-parallel group, whose tokens get their share through the output gather's backward,
+    ``mgpu.families.sequence``); the adapters' gradients accumulate."""
     entry = ctx.objects[payload["handle"]]
     run: Run = entry[RUN]
     out, step = run.graphs.pop(payload["graph"])
-    grad = (torch.zeros_like(out) if step.empty else
-            tensors["grad"][step.lo:step.hi].to(out.device, out.dtype))
+    grad = (tensors["grad"][step.lo:step.hi].to(out.device, out.dtype) if step.answers else
+            torch.zeros_like(out))
     try:
         out.backward(grad)
     except Exception:
