@@ -359,7 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--rank", type=int, default=16, help="LoRA rank")
     t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     t.add_argument("--rows", type=int, default=0, help="rows per optimizer step, split over the ranks (default 2 "
-                   "per rank)")
+                   "per rank; with --parallel sp 1, its tokens split)")
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each block in backward instead of keeping its activations")
 

@@ -4,7 +4,8 @@ The demo's model and checkpoint (``mgpu.demo``: diffusers' Wan code, random weig
 fp32/bf16, fp8, scaled fp8, GGUF), sharded with FSDP2 and frozen in its stored form; a rank-``--rank`` LoRA on every
 block's attention projections (``mgpu.training.adapters.OutputLoRA``: diffusers has no ComfyUI casting layers) trained
 with AdamW on a flow-matching loss over random latents, each optimizer step's rows split over the ranks
-(``mgpu.training``, as MGPU Train LoRA runs it). The same training runs on one device with the same adapters, data and
+(``mgpu.training``, as MGPU Train LoRA runs it), or with ``--parallel sp`` one row's tokens split over every rank in
+forward and backward. The same training runs on one device with the same adapters, data and
 noise; printed: the loss per step on both, the difference of the trained LoRAs, bytes per step by kind (FSDP's
 all-gathers in forward and again in backward, the network's output and its gradient between host and ranks, the
 adapters' gradient all-reduce, beside what DDP of the whole model would all-reduce) and the memory of each rank.
@@ -151,9 +152,9 @@ def _relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    if args.parallel != "cfg":
-        raise MgpuError(f"--train with --parallel {args.parallel}: training splits each step's rows over the ranks; "
-                        "splitting one row's tokens (sp) is not trained yet: leave --parallel out")
+    if args.parallel == "cfg+sp":
+        raise MgpuError("--train with --parallel cfg+sp: training has no CFG; --parallel sp splits each row's tokens "
+                        "over the ranks, the default splits the rows")
     if args.lora:
         raise MgpuError("--train trains a LoRA of its own: leave --lora out")
     if args.rows < 0:
@@ -171,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     devices = rank_devices(inventory(), args.ranks)
     n = len(devices)
-    tc = TrainConfig(rank=args.rank, learning_rate=args.lr, rows=args.rows or 2 * n,
+    sp = args.parallel == "sp"   # one row's tokens over every rank, in forward and backward
+    tc = TrainConfig(rank=args.rank, learning_rate=args.lr, rows=args.rows or (1 if sp else 2 * n),
                      checkpointing=args.gradient_checkpointing)
     specs, first = first_lora(cfg, tc.rank)
     data = dataset(cfg, tc.rows)
@@ -182,21 +184,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: diffusers WanTransformer3DModel, dim {cfg.dim}, {cfg.layers} blocks, "
               f"{format_bytes(ckpt.nbytes)} ({stored}), frozen; {cfg.tokens} tokens per row")
         where = "cpu ranks (gloo; no GPU here)" if devices[0] == "cpu" else f"GPUs ({', '.join(devices)}, nccl)"
+        how = f"each row's tokens split over {n} {where}" if sp else f"split over {n} {where}"
         print(f"demo --train: a rank-{tc.rank} LoRA on the {len(specs)} attention projections, AdamW lr "
-              f"{tc.learning_rate:g}, {cfg.steps} optimizer steps of {tc.rows} rows, split over {n} {where}; "
+              f"{tc.learning_rate:g}, {cfg.steps} optimizer steps of {tc.rows} row{'s' if tc.rows > 1 else ''}, {how}; "
               f"gradient checkpointing {'on' if tc.checkpointing else 'off'}; against one device ({devices[0]})")
         single = train_one_device(cfg, tc, ckpt, specs, first, data, devices[0], dtype)
 
         pool = RankPool(PoolConfig(devices=devices, call_timeout_s=args.timeout))
         try:
             spec = ModelSpec(factory=FACTORY, checkpoint=ckpt.path, factory_kwargs=cfg.factory_kwargs,
-                             param_dtype=args.dtype, cached_inputs=("encoder_hidden_states",))
+                             param_dtype=args.dtype, cached_inputs=("encoder_hidden_states",),
+                             sp_degree=n if sp else 1)
             sharded = ShardedModule(pool, spec)
             loads = sharded.load()
             pool.call(GATHERED_OP)   # installs the count
             gathered: list[dict[str, int]] = []   # per step: bytes by unit kind ("blocks", "root")
             trained, sent = train_sharded(cfg, tc, sharded, specs, first, data, dtype,
                                           lambda: gathered.append(pool.call(GATHERED_OP)[0].payload))
+            split = sharded.split
             stats = [r.payload for r in pool.call("stats")]
         finally:
             pool.close()
@@ -205,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     moved = _relative_l2(single.lora, first)
     print("loss per step, ranks:      " + "  ".join(f"{x:.5f}" for x in trained.losses))
     print("loss per step, one device: " + "  ".join(f"{x:.5f}" for x in single.losses))
+    print(f"split per network call (batch groups x sequence-parallel ranks): {split[0]}x{split[1]}")
     print(f"trained LoRA, ranks vs one device: relative L2 {diff:.2e} (training moved it {moved:.2e} from its "
           f"first values)")
     steps = cfg.steps

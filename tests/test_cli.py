@@ -193,9 +193,20 @@ def test_demo_train_matches_one_device_and_gathers_the_base_as_stored():
     assert 0.14 <= gathered["gguf-q4_k"] / gathered["fp32"] <= 0.17, gathered
 
 
+def test_demo_train_splits_one_rows_tokens_over_the_ranks_in_forward_and_backward():
+    """``demo --train --parallel sp``: one row per step, its tokens split over both ranks (diffusers' Wan, the LoRA
+    on to_q/to_k/to_v added before their outputs are exchanged): the one-device LoRA."""
+    r = mgpu("demo", *TINY_DEMO, "--train", "--parallel", "sp", timeout=280)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "steps of 1 row, each row's tokens split over 2 cpu ranks" in out and "sequence-parallel ranks): 1x2" in out
+    assert _number(r"relative L2 (\S+) \(training moved", out) <= 1e-4
+    assert _number(r"moved it (\S+) from its first values", out) > 1e-3
+
+
 def test_demo_train_refuses_what_it_does_not_train():
-    r = mgpu("demo", *TINY_DEMO, "--train", "--parallel", "sp")
-    assert r.returncode == 2 and "--train with --parallel sp" in r.stderr and "Traceback" not in r.stderr
+    r = mgpu("demo", *TINY_DEMO, "--train", "--parallel", "cfg+sp")
+    assert r.returncode == 2 and "--train with --parallel cfg+sp" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_demo_refuses_gguf_blocks_that_do_not_divide_the_rows():

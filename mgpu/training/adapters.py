@@ -76,7 +76,9 @@ def attach(model: nn.Module, adapters: dict[str, nn.Module]) -> dict[str, Callab
     undo = {}
     for key, module, attr in found:
         if attr is None:
-            undo[key] = module.register_forward_hook(adapters[key].hook).remove
+            # first of the layer's hooks: the LoRA term is part of its output, before any hook that moves it
+            # (a sequence-parallel exchange of to_q/to_k/to_v's output, mgpu.families.wan_diffusers)
+            undo[key] = module.register_forward_hook(adapters[key].hook, prepend=True).remove
             continue
         before = module.__dict__.get(attr)
         setattr(module, attr, [adapters[key]])   # an instance list: the class's list is shared by every layer
