@@ -17,9 +17,10 @@ BASE = {"batch_size": 2, "steps": 4, "learning_rate": 0.001, "rank": 4, "optimiz
         "gradient_checkpointing": False, "existing_lora": "[None]", "grad_accumulation_steps": 1}
 
 
-def train_both(tmp_path: Path, ranks: int, rows: int = 2, file_dtype: str = "float32", **changes) -> dict:
+def train_both(tmp_path: Path, ranks: int, rows: int = 2, file_dtype: str = "float32", heads: int = 1,
+               **changes) -> dict:
     return run_checks("training_checks", "check_train_equals_core", str(tmp_path), ranks, {**BASE, **changes}, rows,
-                      1, file_dtype, timeout=900)
+                      1, file_dtype, heads, timeout=900)
 
 
 def assert_core_lora(facts: dict, tolerance: float, loss_tolerance: float = 1e-5) -> None:
@@ -74,6 +75,16 @@ def test_an_fp8_base_stays_fp8_on_the_ranks_and_trains_cores_lora(tmp_path: Path
     facts = train_both(tmp_path, 2, file_dtype="fp8", optimizer="SGD", learning_rate=0.01,
                        gradient_checkpointing=True)
     assert_core_lora(facts, 1e-4, loss_tolerance=2e-4)
+
+
+def test_one_latent_per_step_splits_its_tokens_over_the_ranks_and_trains_cores_lora(tmp_path: Path) -> None:
+    """batch_size 1 on 2 ranks (one video per step): the loader's plan loaded the 2-head Wan with sequence
+    parallelism, so each step's tokens split over both ranks in forward and backward (with checkpointing); core's
+    LoRA within 1e-4 (SGD), losses within 1e-5."""
+    facts = train_both(tmp_path, 2, rows=2, heads=2, batch_size=1, optimizer="SGD", learning_rate=0.01,
+                       gradient_checkpointing=True)
+    assert facts["split"] == [1, 2], facts["split"]   # (batch groups, sequence degree), through JSON
+    assert_core_lora(facts, 1e-4)
 
 
 def test_a_gguf_base_stays_quantized_on_the_ranks_and_trains_cores_lora_on_its_dequantized_copy(tmp_path: Path) -> None:

@@ -22,24 +22,27 @@ def _data(rows: int, seed: int = 5, captions: int = 1) -> tuple[dict, list]:
     return latent, conds
 
 
-def _write_wan(folder: Path, file_dtype: str) -> tuple[str, Path]:
+def _write_wan(folder: Path, file_dtype: str, heads: int = 1) -> tuple[str, Path]:
     """The tiny Wan in ``file_dtype``: the name MGPU loads and the file core loads. ``fp8``: as plain fp8 files
     store it (matrices float8_e4m3fn, the rest fp32); ``gguf-q8_0``: the blocks' matrices Q8_0 in a GGUF file (the
     rest F32) for MGPU, and for core (which reads no GGUF) a safetensors file of the values the GGUF holds
-    (gguf-py's dequantization)."""
-    from comfy_checkpoints import random_state_dict, save_checkpoint, wan21_dit_shapes, write_tiny_wan21_t2v
+    (gguf-py's dequantization). ``heads``: ComfyUI's Wan has dim / 128 attention heads (2: a sequence split over 2
+    ranks)."""
+    from comfy_checkpoints import (WanDiTConfig, random_state_dict, save_checkpoint, wan21_dit_shapes,
+                                   write_tiny_wan21_t2v)
 
     path = folder / WAN
+    cfg = WanDiTConfig(dim=128 * heads)
     if file_dtype == "gguf-q8_0":
         from mgpu.weights.gguf_write import write_gguf
 
-        sd = random_state_dict(wan21_dit_shapes(), dtype=torch.float32)
+        sd = random_state_dict(wan21_dit_shapes(cfg), dtype=torch.float32)
         types = {k: "Q8_0" if v.ndim == 2 and k.startswith("blocks.") else "F32" for k, v in sd.items()}
         held = write_gguf(folder / GGUF, sd, types)
         return GGUF, save_checkpoint(path, held)
     if file_dtype != "fp8":
-        return WAN, write_tiny_wan21_t2v(path, dtype=getattr(torch, file_dtype))
-    sd = random_state_dict(wan21_dit_shapes(), dtype=torch.float32)
+        return WAN, write_tiny_wan21_t2v(path, cfg, dtype=getattr(torch, file_dtype))
+    sd = random_state_dict(wan21_dit_shapes(cfg), dtype=torch.float32)
     return WAN, save_checkpoint(path, {k: v.to(torch.float8_e4m3fn) if v.ndim >= 2 else v for k, v in sd.items()})
 
 
@@ -64,14 +67,14 @@ def _core_train(model, latent: dict, conds: list, settings: dict) -> tuple[dict,
 
 
 def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int = 2, captions: int = 1,
-                            file_dtype: str = "float32") -> dict:
+                            file_dtype: str = "float32", heads: int = 1) -> dict:
     """The same LoRA from core Train LoRA (one device) and MGPU Train LoRA (``ranks`` fsdp cpu ranks)."""
     import comfy.sd
     import folder_paths
 
     from loaders import diffusion, training
 
-    name, path = _write_wan(Path(folder), file_dtype)
+    name, path = _write_wan(Path(folder), file_dtype, heads)
     folder_paths.add_model_folder_path("diffusion_models", folder)
     latent, conds = _data(rows, captions=captions)
     core_lora, core_loss = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
@@ -85,6 +88,7 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
     sharded = diffusion.load(name, "default", "fsdp", ranks)
     before = _sample_once(sharded)
     ours, loss_map, steps = training.train(sharded, [latent], [conds], training.TrainSettings(**settings))
+    split = sharded.sharded.split   # (batch groups, sequence degree) of the last network call
     after = _sample_once(sharded)   # the model samples as before the run: the adapters came off the ranks
     misfit = {"diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(7, 4),
               "diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 9)}
@@ -110,7 +114,7 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
             "core_vs_core_l2": relative_l2(core_again),
             "dtypes": sorted({str(v.dtype) for v in ours.values()}), "core_dtypes": sorted({str(v.dtype) for v in
                                                                                            core_lora.values()}),
-            "core_loss": core_loss, "loss": loss_map["loss"], "steps": steps, "down_max": moved,
+            "core_loss": core_loss, "loss": loss_map["loss"], "steps": steps, "down_max": moved, "split": split,
             "unchanged_after_run": torch.equal(before, after), "misfit_refused": refused,
             "lora_sample_diff": (with_lora[0] - with_lora[1]).abs().max().item(),
             "lora_moves_sample": (with_lora[1] - _sample_once(one_device)).abs().max().item()}
