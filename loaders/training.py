@@ -41,6 +41,13 @@ LOSSES = {"MSE": torch.nn.MSELoss, "L1": torch.nn.L1Loss, "Huber": torch.nn.Hube
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "RMSprop")
 ALGORITHMS = ("LoRA",)   # the others' first values depend on more than the weight's shape: not yet over FSDP
 NO_LORA = "[None]"
+# Networks whose ComfyUI code autograd cannot train through, by class name, and why: refused before any rank works.
+NOT_TRAINABLE = {
+    "LTXVModel": "its blocks add to their input in place (x += attn2(x, ...)) after layers kept that input for the "
+                 "backward, so autograd refuses the backward (ComfyUI's own Train LoRA fails on it the same way)",
+    "LTXAVModel": "its video blocks add to their input in place as LTX-Video's do, so autograd refuses the backward, "
+                  "and it answers with two streams (video and audio)",
+}
 
 
 @dataclass
@@ -229,6 +236,10 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
     if not isinstance(model, ShardedModelPatcher):
         raise MgpuError(f"{NODE}: this MODEL is not sharded over FSDP ranks: load it with MGPU Load Diffusion "
                         "Model on device fsdp, or train it on one device with ComfyUI's Train LoRA")
+    network = type(model.model.diffusion_model).__name__
+    if network in NOT_TRAINABLE:
+        raise MgpuError(f"{NODE}: this MODEL's network is ComfyUI's {network}, which cannot be trained: "
+                        f"{NOT_TRAINABLE[network]}. Train a Wan 2.1 / 2.2 model")
     samples, conds, count = dataset(latents, positive)
     existing_weights, existing_steps = existing(settings.existing_lora)
     import comfy_extras.nodes_custom_sampler as custom_sampler

@@ -107,3 +107,12 @@ def test_cancel_keeps_the_lora_of_the_finished_steps_and_the_next_run_is_fresh(t
     assert len(facts["files"]) == 1 and facts["same_keys"]
     assert facts["kept_equals_two_steps"]
     assert facts["again_equals_fresh"]
+
+
+def test_ltx_video_is_refused_by_name_where_core_fails_in_its_backward(tmp_path: Path) -> None:
+    """ComfyUI's LTX-Video blocks change their input in place after layers kept it for the backward: core's Train
+    LoRA on one device fails in autograd; MGPU Train LoRA says why up front, naming the network, before a run
+    starts on the ranks."""
+    facts = run_checks("training_checks", "check_ltx_video_is_refused_by_name", str(tmp_path), BASE, timeout=900)
+    assert "modified by an inplace operation" in facts["core"], facts["core"]
+    assert facts["ours"].startswith("MgpuError") and "LTXVModel" in facts["ours"] and "in place" in facts["ours"]

@@ -181,3 +181,32 @@ def check_cancel_keeps_the_finished_steps(folder: str, settings: dict) -> dict:
             "same_keys": sorted(saved) == sorted(two),
             "kept_equals_two_steps": bool(saved) and all(torch.equal(saved[k], two[k]) for k in two),
             "again_equals_fresh": all(torch.equal(again[k], two[k]) for k in two)}
+
+
+def check_ltx_video_is_refused_by_name(folder: str, settings: dict) -> dict:
+    """MGPU Train LoRA on a sharded LTX-Video refuses by name before a run starts; core's Train LoRA on the same
+    file, one device, fails in its backward (the reason the refusal gives)."""
+    import comfy.sd
+    import folder_paths
+
+    from comfy_checkpoints import write_tiny_ltxv
+    from loaders import diffusion, training
+
+    path = write_tiny_ltxv(Path(folder) / "mgpu_train_ltxv.safetensors", dtype=torch.float32)
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    g = torch.Generator().manual_seed(0)
+    latent = {"samples": torch.randn(1, 128, 2, 4, 4, generator=g)}
+    conds = [[torch.randn(1, 6, TEXT_WIDTH, generator=g), {"attention_mask": torch.ones(1, 6, dtype=torch.long)}]]
+    facts = {}
+    try:
+        _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
+        facts["core"] = ""
+    except Exception as exc:   # noqa: BLE001 - the test asserts what was raised
+        facts["core"] = f"{type(exc).__name__}: {exc}"
+    sharded = diffusion.load(path.name, "default", "fsdp", 2)
+    try:
+        training.train(sharded, [latent], [conds], training.TrainSettings(**settings))
+        facts["ours"] = ""
+    except Exception as exc:   # noqa: BLE001
+        facts["ours"] = f"{type(exc).__name__}: {exc}"
+    return facts
