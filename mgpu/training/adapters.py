@@ -136,14 +136,20 @@ def lora_key(key: str) -> str:
     return f"{layer}.diff" if param == "weight" else f"{layer}.diff_b"
 
 
-def state(adapters: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
-    """Every adapter tensor (trainable or not, ``alpha`` too) under its LoRA key, detached, on the CPU."""
+def tensors(adapters: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """Every adapter tensor (trainable or not, ``alpha`` too) under its LoRA key, detached, where it lives (an
+    in-place change of one changes the adapter)."""
     found = {}
     for key, adapter in adapters.items():
         layer = key.rpartition(".")[0]
         if isinstance(adapter, Diff):
-            found[lora_key(key)] = adapter.diff.detach().cpu()
+            found[lora_key(key)] = adapter.diff.detach()
             continue
         for name, param in adapter.named_parameters():
-            found[f"{layer}.{name}"] = param.detach().cpu()
+            found[f"{layer}.{name}"] = param.detach()
     return found
+
+
+def state(adapters: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """``tensors`` on the CPU."""
+    return {k: t.cpu() for k, t in tensors(adapters).items()}

@@ -27,6 +27,7 @@ from mgpu.ranks.rank import RankContext, Tensors, import_path
 from mgpu.sharding import model_ops
 from mgpu.sharding.fsdp import reset_after_failed_forward
 from mgpu.training import adapters as adapter_mod
+from mgpu.training.checkpoints import LORA_PREFIX, OPTIM_PREFIX
 
 RUN = "training"   # in the model's ctx.objects entry
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD,
@@ -134,6 +135,84 @@ def state(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Tens
         return {}, {}
     found = adapter_mod.state(run.adapters)
     return {"keys": list(found), "steps": run.steps}, found
+
+
+def save_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Write the run's adapters and optimizer state to ``payload["path"]`` with ``torch.distributed.checkpoint``:
+    each tensor as a DTensor sharded on dim 0 over all ranks (every rank holds it whole, so this costs no
+    communication), so every rank writes its own shard in parallel and a later load may use another rank count;
+    tensors too small to shard (0-d, fewer rows than ranks) once, by one rank. (DCP reads its data files with
+    ``torch.load(weights_only=True)`` and its metadata with pickle: the host reads only folders it signed.)"""
+    import torch.distributed.checkpoint as dcp
+
+    run: Run = ctx.objects[payload["handle"]][RUN]
+    state = {name: _sharded(ctx, t) for name, t in _checkpoint_tensors(run).items()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(payload["path"]))
+    return {"tensors": len(state), "bytes": sum(_local(t).numel() * t.element_size() for t in state.values())}
+
+
+def load_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
+    """Read what ``save_state`` wrote (the host verified the folder first) into the run: the adapters' values and
+    the optimizer's state, whatever rank count wrote it. The optimizer state is made from the checkpoint's own
+    entries, so a run that has not stepped yet takes it."""
+    import torch.distributed.checkpoint as dcp
+
+    run: Run = ctx.objects[payload["handle"]][RUN]
+    reader = dcp.FileSystemReader(payload["path"])
+    saved = reader.read_metadata().state_dict_metadata
+    live = adapter_mod.tensors(run.adapters)
+    missing = [k for k in live if LORA_PREFIX + k not in saved]
+    if missing:
+        raise ValueError(f"the checkpoint has no values for {len(missing)} adapters (first: {missing[0]}): it was "
+                         "written for another model or LoRA rank")
+    index = {name: i for i, name in enumerate(run.params)}
+    targets = {LORA_PREFIX + k: _sharded(ctx, torch.empty_like(t)) for k, t in live.items()}
+    for name, meta in saved.items():
+        if name.startswith(OPTIM_PREFIX):
+            key, _, what = name[len(OPTIM_PREFIX):].rpartition("/")
+            if key not in index:
+                raise ValueError(f"the checkpoint's optimizer state names {key!r}, which this run does not train")
+            device = "cpu" if what == "step" else ctx.torch_device   # torch keeps an optimizer's step on the CPU
+            targets[name] = _sharded(ctx, torch.empty(meta.size, dtype=meta.properties.dtype, device=device))
+    dcp.load(targets, storage_reader=reader)
+    for k, t in live.items():
+        t.copy_(_whole(targets[LORA_PREFIX + k]))
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in targets.items():
+        if name.startswith(OPTIM_PREFIX):
+            key, _, what = name[len(OPTIM_PREFIX):].rpartition("/")
+            state.setdefault(index[key], {})[what] = _whole(value)
+    run.optimizer.load_state_dict({"state": state, "param_groups": run.optimizer.state_dict()["param_groups"]})
+    return {"tensors": len(targets)}
+
+
+def _checkpoint_tensors(run: Run) -> dict[str, torch.Tensor]:
+    """The adapters under ``lora/<key>`` and the optimizer's per-parameter state under ``optim/<key>/<name>``."""
+    found = {LORA_PREFIX + k: t for k, t in adapter_mod.tensors(run.adapters).items()}
+    names = list(run.params)
+    for i, values in run.optimizer.state_dict()["state"].items():
+        for what, value in values.items():
+            if isinstance(value, torch.Tensor):
+                found[f"{OPTIM_PREFIX}{names[i]}/{what}"] = value.detach()
+    return found
+
+
+def _sharded(ctx: RankContext, t: torch.Tensor):
+    """``t`` (whole on every rank) as a DTensor sharded on dim 0 over the ranks without communication, or ``t``
+    itself when it has fewer rows than ranks or lives elsewhere than the mesh (an optimizer's step on the CPU)."""
+    if t.ndim == 0 or t.shape[0] < ctx.world_size or t.device.type != ctx.mesh.device_type:
+        return t
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(t, ctx.mesh, [Shard(0)], src_data_rank=None)
+
+
+def _local(t) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _whole(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def stop(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:

@@ -80,6 +80,15 @@ class TrainingRun:
         reply = self._call("state", {})[0]
         return {k: reply.tensors[k].clone() for k in reply.payload["keys"]}
 
+    def save(self, path: str) -> dict:
+        """Every rank writes its shard of the adapters and optimizer state to the folder ``path``."""
+        return self._call("save_state", {"path": path})[0].payload
+
+    def load(self, path: str) -> dict:
+        """The adapters and optimizer state of a checkpoint folder (verified by the caller: its metadata is a
+        pickle) into the started run, on any rank count."""
+        return self._call("load_state", {"path": path})[0].payload
+
     def stop(self) -> None:
         """End the run on the ranks if they are still those that started it (a lost pool has nothing to end)."""
         if self.started is None or not self.sharded.loaded:
