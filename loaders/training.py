@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import comfy.model_management as mm
@@ -27,6 +27,7 @@ from mgpu.planning.devices import format_bytes
 from mgpu.training.run import TrainingRun
 
 from . import pools
+from .training_checkpoints import RunCheckpoints
 from .diffusion import REMOTE_FORWARD, RemoteForward, ShardedModelPatcher, raise_interrupted
 
 log = logging.getLogger("mgpu")
@@ -67,6 +68,16 @@ class TrainSettings:
     algorithm: str = "LoRA"
     gradient_checkpointing: bool = True
     existing_lora: str = NO_LORA
+    run_name: str = "mgpu_lora"      # names the run's checkpoint folder
+    checkpoint_every: int = 0        # optimizer steps between checkpoints; 0: only at the end (and at a Cancel)
+    keep_checkpoints: int = 3        # the newest checkpoints kept; 0: all
+    resume: bool = False             # go on from the run's newest checkpoint
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must share with its checkpoint (the steps may grow; where checkpoints go may
+        change)."""
+        skip = {"steps", "run_name", "checkpoint_every", "keep_checkpoints", "resume"}
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
     def check(self) -> None:
         """Refuse what this node cannot do, by name, before anything runs."""
@@ -196,21 +207,27 @@ class TrainingForward(RemoteForward):
 
 class RemoteOptimizer:
     """What ComfyUI's TrainSampler sees as its optimizer: the adapters live on the ranks (no parameter here),
-    ``step`` runs there; one progress update per optimizer step, with the loss."""
+    ``step`` runs there; one progress update per optimizer step, with the loss; a checkpoint when one is due."""
 
     param_groups: list = []
 
-    def __init__(self, run: TrainingRun, steps: int, losses: list[float], node_id: str | None):
-        self.run, self.losses, self.node_id = run, losses, node_id
+    def __init__(self, run: TrainingRun, steps: int, losses: list[float], node_id: str | None,
+                 checkpoints: RunCheckpoints, done: int = 0):
+        self.run, self.losses, self.node_id, self.checkpoints = run, losses, node_id, checkpoints
         self.bar = comfy.utils.ProgressBar(steps)
-        self.done = 0
+        self.bar.update(done)
+        self.done = done
+        checkpoints.mark_boundary(done)
 
     def step(self) -> None:
         self.run.step()
         self.done += 1
+        self.checkpoints.mark_boundary(self.done)
         loss = self.losses[-1] if self.losses else float("nan")
         log.info("%s: step %d of %d, loss %.5f", NODE, self.done, self.bar.total, loss)
         _progress_text(f"step {self.done}/{self.bar.total}  loss {loss:.4f}", self.node_id)
+        if self.checkpoints.due(self.done, self.bar.total):
+            self.checkpoints.save(self.run, self.losses)
         self.bar.update(1)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -242,6 +259,16 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
                         f"{NOT_TRAINABLE[network]}. Train a Wan 2.1 / 2.2 model")
     samples, conds, count = dataset(latents, positive)
     existing_weights, existing_steps = existing(settings.existing_lora)
+    checkpoints = RunCheckpoints(NODE, settings.run_name, settings.checkpoint_every, settings.keep_checkpoints,
+                                 {**settings.fingerprint(), "data": _data_digest(samples, conds)}, [], NETWORK,
+                                 settings.grad_accumulation_steps)
+    resumed = checkpoints.find() if settings.resume else None
+    if settings.resume and resumed is None:
+        log.info("%s: resume: run %r has no checkpoint yet; training from the start", NODE, settings.run_name)
+    done = resumed.host.optimizer_steps if resumed else 0
+    if done > settings.steps:
+        raise MgpuError(f"{NODE}: resume: run {settings.run_name!r} has trained {done} optimizer steps "
+                        f"({resumed.folder}), more than steps {settings.steps}: raise steps, or give another run_name")
     import comfy_extras.nodes_custom_sampler as custom_sampler
     from comfy_extras.nodes_train import TrainSampler
 
@@ -249,20 +276,25 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
     with torch.inference_mode(False), torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         specs, first, order = first_adapters(model.model, settings, existing_weights)
+        checkpoints.keys = order
         mp = model.clone()
         mp.set_model_compute_dtype(dtype)
         remote = mp.object_patches[REMOTE_FORWARD]
         run = TrainingRun(remote.sharded, cancelled=mm.processing_interrupted)
         mp.add_object_patch(REMOTE_FORWARD, TrainingForward(remote, run))
-        losses: list[float] = []
-        optimizer = RemoteOptimizer(run, settings.steps, losses, node_id)
+        losses: list[float] = list(resumed.host.losses) if resumed else []
+        optimizer = RemoteOptimizer(run, settings.steps, losses, node_id, checkpoints, done)
+        micro = done * settings.grad_accumulation_steps   # core's loop index where this run goes on
         kwargs = {"loss_callback": losses.append, "batch_size": settings.batch_size,
                   "grad_acc": settings.grad_accumulation_steps,
-                  "total_steps": settings.steps * settings.grad_accumulation_steps, "seed": settings.seed,
+                  "total_steps": settings.steps * settings.grad_accumulation_steps - micro,
+                  "seed": settings.seed + 1000 * micro,   # its step i draws noise from seed + 1000 i
                   "training_dtype": dtype}
         accepted = inspect.signature(TrainSampler.__init__).parameters
         sampler = TrainSampler(LOSSES[settings.loss_function](), optimizer,
                                **{k: v for k, v in kwargs.items() if k in accepted})
+        if resumed:
+            _start_where_stopped(sampler, resumed.host.rng_state())
         guider = custom_sampler.Guider_Basic(mp)
         guider.set_conds(conds)
         label = remote.label
@@ -273,18 +305,24 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
             log.info("%s: %d adapters (%s trainable, rank %d) on every rank of %s; gradient checkpointing %s",
                      NODE, started["adapters"], format_bytes(started["adapter_bytes"]), settings.rank, label,
                      f"on ({started['checkpointed_units']} units)" if settings.gradient_checkpointing else "off")
-            samples = samples.to(dtype)
-            noise = custom_sampler.Noise_RandomNoise(settings.seed)
-            guider.sample(noise.generate_noise({"samples": samples}), samples, sampler,
-                          torch.tensor(range(count)), seed=noise.seed)
+            if resumed:
+                run.load(str(resumed.folder))
+                log.info("%s: resumed run %r at optimizer step %d of %d from %s (written by %d ranks)", NODE,
+                         settings.run_name, done, settings.steps, resumed.folder, resumed.host.world_size)
+            if done < settings.steps:
+                samples = samples.to(dtype)
+                noise = custom_sampler.Noise_RandomNoise(settings.seed)
+                guider.sample(noise.generate_noise({"samples": samples}), samples, sampler,
+                              torch.tensor(range(count)), seed=noise.seed)
             trained = run.adapters()
         except RankFailure as exc:
-            raise pools.explain(exc, f"{NODE}: training on {label}") from exc
+            raise pools.explain(exc, f"{NODE}: training on {label}; {checkpoints.where()}") from exc
         except CallCancelled as exc:
-            kept = _keep_so_far(run, order, settings, optimizer.done)
+            kept = _keep_so_far(run, order, settings, optimizer.done, checkpoints, losses)
             raise_interrupted(exc, f"{NODE} (training on {label}; {kept})")
         except mm.InterruptProcessingException:   # Cancel seen between two steps, by ComfyUI's progress hook
-            log.info("%s: cancelled; %s", NODE, _keep_so_far(run, order, settings, optimizer.done))
+            log.info("%s: cancelled; %s", NODE, _keep_so_far(run, order, settings, optimizer.done, checkpoints,
+                                                               losses))
             raise
         finally:
             _stop(run, label)
@@ -295,19 +333,23 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
     return lora, {"loss": losses}, settings.steps + existing_steps
 
 
-def _keep_so_far(run: TrainingRun, order: list[str], settings: TrainSettings, steps: int) -> str:
+def _keep_so_far(run: TrainingRun, order: list[str], settings: TrainSettings, steps: int,
+                 checkpoints: RunCheckpoints, losses: list[float]) -> str:
     """A cancelled run keeps what its finished optimizer steps trained: the ranks' adapters (they change only at a
     step) saved as a LoRA in ComfyUI's output folder (``loras/``, core's keys and naming, so Load LoRA and
-    existing_lora take it). Returns what was kept, for the message; never raises over the cancel."""
+    existing_lora take it), and a checkpoint of that step to resume from (unless it was just saved). Returns what was
+    kept, for the message; never raises over the cancel."""
     if steps == 0:
-        return "no optimizer step had finished: nothing to keep"
+        return f"no optimizer step had finished: nothing to keep; {checkpoints.where()}"
     try:
         import time
 
         import folder_paths
         from safetensors.torch import save_file
 
-        run.cancelled = None   # ComfyUI's interrupt flag may still be up: this call must not be cancelled too
+        run.cancelled = None   # ComfyUI's interrupt flag may still be up: these calls must not be cancelled too
+        if checkpoints.last is None or checkpoints.last.name != f"step_{steps:06d}":
+            checkpoints.save(run, losses)
         trained = run.adapters()
         lora = {key: trained[key[len(NETWORK):]].to(DTYPES[settings.lora_dtype]).contiguous() for key in order}
         folder = os.path.join(folder_paths.get_output_directory(), "loras")
@@ -317,8 +359,31 @@ def _keep_so_far(run: TrainingRun, order: list[str], settings: TrainSettings, st
         save_file(lora, path)
     except Exception as exc:   # noqa: BLE001 - the cancel is what the user must see
         log.warning("%s: the LoRA of the %d finished steps could not be kept (%s)", NODE, steps, exc)
-        return f"the LoRA of its {steps} finished steps could not be kept: {exc}"
-    return f"the LoRA of its {steps} finished steps is kept in {path}"
+        return f"the LoRA of its {steps} finished steps could not be kept: {exc}; {checkpoints.where()}"
+    return f"the LoRA of its {steps} finished steps is kept in {path}; {checkpoints.where()}"
+
+
+def _start_where_stopped(sampler, rng: torch.Tensor) -> None:
+    """A resumed run's TrainSampler starts its loop with the global generator where the checkpointed step left it
+    (the batch order and the sigmas come from it; the noise from its own seed, already offset)."""
+    loop = sampler.sample
+
+    def sample(*args, **kwargs):
+        torch.set_rng_state(rng)
+        return loop(*args, **kwargs)
+
+    sampler.sample = sample
+
+
+def _data_digest(samples: torch.Tensor, conds: list) -> str:
+    """The training data's digest for the resume check: the latents and every tensor of the conditionings."""
+    from mgpu.training.checkpoints import data_digest
+
+    tensors = [samples]
+    for cond in conds:
+        tensors.append(cond[0])
+        tensors.extend(v for _, v in sorted(cond[1].items()) if isinstance(v, torch.Tensor))
+    return data_digest(*tensors)
 
 
 def _stop(run: TrainingRun, label: str) -> None:

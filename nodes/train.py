@@ -42,6 +42,16 @@ class MgpuTrainLoRA(io.ComfyNode):
                                          "instead of keeping its activations"),
                 io.Combo.Input("existing_lora", options=[*folder_paths.get_filename_list("loras"), training.NO_LORA],
                                default=training.NO_LORA, tooltip="a LoRA (safetensors) to go on training"),
+                io.String.Input("run_name", default=training.TrainSettings.run_name, optional=True,
+                                tooltip="names the run's checkpoints: output/mgpu_training/<run_name>/step_<N>"),
+                io.Int.Input("checkpoint_every", default=0, min=0, max=100000, optional=True,
+                             tooltip="optimizer steps between checkpoints (adapters, optimizer state, random "
+                                     "generators, data position); 0: only at the end and at a Cancel"),
+                io.Int.Input("keep_checkpoints", default=3, min=0, max=1000, optional=True,
+                             tooltip="the newest checkpoints kept; 0: keep all"),
+                io.Boolean.Input("resume", default=False, optional=True,
+                                 tooltip="go on from this run's newest checkpoint (same settings and data; the "
+                                         "steps may grow); ends with the LoRA of an uninterrupted run"),
             ],
             outputs=[
                 io.Custom("LORA_MODEL").Output(display_name="lora"),
@@ -54,11 +64,16 @@ class MgpuTrainLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, latents, positive, batch_size, grad_accumulation_steps, steps, learning_rate, rank,
                 optimizer, loss_function, seed, training_dtype, lora_dtype, algorithm, gradient_checkpointing,
-                existing_lora) -> io.NodeOutput:
+                existing_lora, run_name=None, checkpoint_every=None, keep_checkpoints=None,
+                resume=None) -> io.NodeOutput:
+        defaults = training.TrainSettings
         settings = training.TrainSettings(
             batch_size=batch_size[0], grad_accumulation_steps=grad_accumulation_steps[0], steps=steps[0],
             learning_rate=learning_rate[0], rank=rank[0], optimizer=optimizer[0], loss_function=loss_function[0],
             seed=seed[0], training_dtype=training_dtype[0], lora_dtype=lora_dtype[0], algorithm=algorithm[0],
-            gradient_checkpointing=gradient_checkpointing[0], existing_lora=existing_lora[0])
+            gradient_checkpointing=gradient_checkpointing[0], existing_lora=existing_lora[0],
+            run_name=(run_name or [defaults.run_name])[0],
+            checkpoint_every=(checkpoint_every or [defaults.checkpoint_every])[0],
+            keep_checkpoints=(keep_checkpoints or [defaults.keep_checkpoints])[0], resume=(resume or [False])[0])
         lora, loss_map, total = training.train(model[0], latents, positive, settings, node_id=cls.hidden.unique_id)
         return io.NodeOutput(lora, loss_map, total)

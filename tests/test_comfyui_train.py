@@ -116,3 +116,19 @@ def test_ltx_video_is_refused_by_name_where_core_fails_in_its_backward(tmp_path:
     facts = run_checks("training_checks", "check_ltx_video_is_refused_by_name", str(tmp_path), BASE, timeout=900)
     assert "modified by an inplace operation" in facts["core"], facts["core"]
     assert facts["ours"].startswith("MgpuError") and "LTXVModel" in facts["ours"] and "in place" in facts["ours"]
+
+
+def test_a_cancelled_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_lora(tmp_path: Path) -> None:
+    """Cancel after 2 of 4 optimizer steps with checkpoints every step (keep 1): the checkpoint of step 2 stays; the
+    same prompt with resume on ends with the uninterrupted run's LoRA and losses bit for bit (fp32, 2 ranks), its
+    final checkpoint replacing step 2's; a resume with another learning rate is refused by name; the checkpoint
+    exports as a LoRA that stock LoraLoaderModelOnly loads on a one-device model; a 2-step checkpoint resumes on 3
+    ranks within float rounding."""
+    facts = run_checks("training_checks", "check_resume_equals_uninterrupted", str(tmp_path), BASE, timeout=900)
+    assert facts["cancelled"] == "InterruptProcessingException"
+    assert facts["saved_after_cancel"] == ["step_000002"]
+    assert facts["bit_equal"] and facts["loss_equal"] and facts["steps"] == BASE["steps"]
+    assert facts["refused"].startswith("MgpuError") and "learning_rate" in facts["refused"], facts["refused"]
+    assert not facts["step2_left"] and facts["newest"] == ["step_000004"]
+    assert facts["exported_equal"] and facts["sample_finite"]
+    assert facts["three_worst"] is not None and facts["three_worst"] <= 1e-4, facts["three_worst"]

@@ -210,3 +210,68 @@ def check_ltx_video_is_refused_by_name(folder: str, settings: dict) -> dict:
     except Exception as exc:   # noqa: BLE001
         facts["ours"] = f"{type(exc).__name__}: {exc}"
     return facts
+
+
+def check_resume_equals_uninterrupted(folder: str, settings: dict) -> dict:
+    """A run cancelled after 2 of 4 optimizer steps (checkpoints every step), queued again with resume on, ends
+    with the uninterrupted run's LoRA and losses; the same checkpoint resumes on 3 ranks; other settings are refused
+    by name; the checkpoint exports as a LoRA file stock LoraLoaderModelOnly loads on a one-device model."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import folder_paths
+    from safetensors.torch import load_file
+
+    from loaders import diffusion, training, training_checkpoints
+    from mgpu.training import checkpoints as ck
+
+    name, path = _write_wan(Path(folder), "float32")
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    folder_paths.set_output_directory(str(Path(folder) / "output"))
+    folder_paths.set_user_directory(str(Path(folder) / "user"))
+    latent, conds = _data(2)
+    sharded = diffusion.load(name, "default", "fsdp", 2)
+
+    def train(model, **changes):
+        return training.train(model, [latent], [conds], training.TrainSettings(**{**settings, **changes}))
+
+    full, full_loss, _ = train(sharded, run_name="full")
+    real_step = training.RemoteOptimizer.step
+
+    def step(self):
+        real_step(self)
+        if self.done == 2:
+            mm.interrupt_current_processing(True)   # the user presses Cancel
+
+    training.RemoteOptimizer.step = step
+    cancelled = ""
+    try:
+        train(sharded, run_name="part", checkpoint_every=1, keep_checkpoints=1)
+    except mm.InterruptProcessingException as exc:
+        cancelled = type(exc).__name__
+    finally:
+        training.RemoteOptimizer.step = real_step
+    saved = [p.name for p in ck.saved_steps(training_checkpoints.root(), "part")]
+    resumed, resumed_loss, steps = train(sharded, run_name="part", resume=True, keep_checkpoints=1)
+    try:
+        train(sharded, run_name="part", resume=True, learning_rate=settings["learning_rate"] * 2)
+        refused = ""
+    except Exception as exc:   # noqa: BLE001 - the test asserts what was raised
+        refused = f"{type(exc).__name__}: {exc}"
+    step2 = ck.step_folder(training_checkpoints.root(), "part", 2)   # keep 1: the final checkpoint replaced it
+    newest = ck.saved_steps(training_checkpoints.root(), "part")
+    out = Path(folder) / "exported.safetensors"
+    exported_keys = ck.export_lora(newest[-1], training_checkpoints.key(), out)
+    exported = load_file(str(out))
+    one_device = comfy.sd.load_diffusion_model(str(path))
+    sample = _sample_once(_with_lora(one_device, exported))
+
+    train(sharded, run_name="two", steps=2)   # 2 of the 4 steps on 2 ranks, the rest on 3
+    on_three, _, _ = train(diffusion.load(name, "default", "fsdp", 3), run_name="two", resume=True)
+    return {"cancelled": cancelled, "saved_after_cancel": saved, "steps": steps,
+            "bit_equal": list(resumed) == list(full) and all(torch.equal(resumed[k], full[k]) for k in full),
+            "loss_equal": resumed_loss["loss"] == full_loss["loss"], "refused": refused,
+            "step2_left": step2.exists(), "newest": [p.name for p in newest],
+            "exported_equal": exported_keys == list(full) and all(torch.equal(exported[k], full[k]) for k in full),
+            "sample_finite": bool(torch.isfinite(sample).all()),
+            "three_worst": max(((on_three[k] - full[k]).abs().max() / full[k].abs().max().clamp_min(1e-12)).item()
+                               for k in full)}
