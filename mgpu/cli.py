@@ -1,4 +1,4 @@
-"""`python -m mgpu devices | plan | demo`: the runtime from a shell, without ComfyUI.
+"""`python -m mgpu devices | plan | demo | export-lora`: the runtime from a shell, without ComfyUI.
 
 Bad input exits with code 2 and one line on stderr; a plan that cannot fit exits with code 3 and the numbers.
 """
@@ -59,7 +59,32 @@ def _parser() -> argparse.ArgumentParser:
     from mgpu.demo import add_arguments
 
     add_arguments(p)
+
+    p = sub.add_parser("export-lora", help="write a MGPU Train LoRA checkpoint's LoRA as one safetensors file")
+    p.add_argument("checkpoint", help="a checkpoint folder: <ComfyUI>/output/mgpu_training/<run>/step_<N>")
+    p.add_argument("out", help="the LoRA file to write (.safetensors), for Load LoRA / LoraLoaderModelOnly")
+    p.add_argument("--key-dir", metavar="DIR", help="the folder of the signing key (default: <ComfyUI>/user/"
+                   "comfy-mgpu, found from the checkpoint's place in ComfyUI's output folder)")
     return parser
+
+
+def _cmd_export_lora(args: argparse.Namespace) -> int:
+    """Only a checkpoint this machine's ComfyUI signed is read (its metadata is a pickle)."""
+    from pathlib import Path
+
+    from mgpu.training import checkpoints
+
+    folder = Path(args.checkpoint).resolve()
+    comfyui = folder.parents[3] if len(folder.parents) > 3 else folder   # <ComfyUI>/output/mgpu_training/<run>/...
+    key_dir = Path(args.key_dir) if args.key_dir else comfyui / "user" / "comfy-mgpu"
+    if not (key_dir / checkpoints.KEY_FILE).is_file():
+        raise MgpuError(f"no signing key in {key_dir}: pass --key-dir <ComfyUI>/user/comfy-mgpu (the ComfyUI whose "
+                        "MGPU Train LoRA wrote the checkpoint)")
+    if not args.out.endswith(".safetensors"):
+        raise MgpuError(f"{args.out}: the LoRA is written as safetensors: name it *.safetensors")
+    keys = checkpoints.export_lora(folder, checkpoints.signing_key(key_dir), args.out)
+    print(f"{args.out}: {len(keys)} tensors of the LoRA in {folder}")
+    return 0
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
@@ -145,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_devices(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "export-lora":
+            return _cmd_export_lora(args)
         from mgpu.demo import run
 
         return run(args)

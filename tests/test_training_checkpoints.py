@@ -6,6 +6,8 @@ pack signed are read, and a checkpoint exports as one safetensors LoRA."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from mgpu.training import checkpoints as ck
 from mgpu.training.run import TrainingRun
 from test_training_ranks import TESTS, data, first_adapters, loss_of, start
 
+ROOT = os.path.dirname(TESTS)
 pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(tm.comfyui_path() is None, reason=SKIP_REASON)]
 
 
@@ -108,6 +111,17 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit_and_on_three_ranks(setu
     exported = load_file(str(out))
     for k in halfway:
         assert torch.equal(exported[f"diffusion_model.{k}"], halfway[k]), k
+
+    # the same from a shell; a changed checkpoint is refused there too, with one line and exit code 2
+    cli = [sys.executable, "-m", "mgpu", "export-lora", str(folder), str(tmp_path / "cli.safetensors"),
+           "--key-dir", str(tmp_path / "user")]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert load_file(str(tmp_path / "cli.safetensors")).keys() == exported.keys()
+    (folder / ck.HOST_FILE).write_text((folder / ck.HOST_FILE).read_text().replace('"run": "r"', '"run": "x"'))
+    r = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "do not match the signature" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_only_folders_this_pack_signed_are_read(setup, tmp_path):
