@@ -123,7 +123,8 @@ def test_a_cancelled_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted
     same prompt with resume on ends with the uninterrupted run's LoRA and losses bit for bit (fp32, 2 ranks), its
     final checkpoint replacing step 2's; a resume with another learning rate is refused by name; the checkpoint
     exports as a LoRA that stock LoraLoaderModelOnly loads on a one-device model; a 2-step checkpoint resumes on 3
-    ranks within float rounding."""
+    ranks within float rounding; after a killed rank the error names the checkpoint, and resuming from it still
+    ends with the uninterrupted LoRA."""
     facts = run_checks("training_checks", "check_resume_equals_uninterrupted", str(tmp_path), BASE, timeout=900)
     assert facts["cancelled"] == "InterruptProcessingException"
     assert facts["saved_after_cancel"] == ["step_000002"]
@@ -132,3 +133,7 @@ def test_a_cancelled_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted
     assert not facts["step2_left"] and facts["newest"] == ["step_000004"]
     assert facts["exported_equal"] and facts["sample_finite"]
     assert facts["three_worst"] is not None and facts["three_worst"] <= 1e-4, facts["three_worst"]
+    # a rank killed after step 2 of a run checkpointing every 2 steps: the error names the rank and the checkpoint,
+    # and resuming from it (the pool rebuilt) still ends with the uninterrupted LoRA
+    assert "rank 1" in facts["killed"] and "killed/step_000002" in facts["killed"], facts["killed"]
+    assert facts["after_kill_equal"]

@@ -265,6 +265,24 @@ def check_resume_equals_uninterrupted(folder: str, settings: dict) -> dict:
     one_device = comfy.sd.load_diffusion_model(str(path))
     sample = _sample_once(_with_lora(one_device, exported))
 
+    import os
+    import signal
+
+    def kill_after_two(self):   # a rank dies (OOM killer, a driver fault) after the second optimizer step
+        real_step(self)
+        if self.done == 2:
+            pid = [r.payload["pid"] for r in sharded.sharded.pool.call("ping")][1]
+            os.kill(pid, signal.SIGKILL)
+
+    training.RemoteOptimizer.step = kill_after_two
+    killed = ""
+    try:
+        train(sharded, run_name="killed", checkpoint_every=2)
+    except Exception as exc:   # noqa: BLE001 - the test asserts what was raised
+        killed = f"{type(exc).__name__}: {exc}"
+    finally:
+        training.RemoteOptimizer.step = real_step
+    after_kill, _, _ = train(sharded, run_name="killed", resume=True)   # the pool rebuilds, the model reloads
     train(sharded, run_name="two", steps=2)   # 2 of the 4 steps on 2 ranks, the rest on 3
     on_three, _, _ = train(diffusion.load(name, "default", "fsdp", 3), run_name="two", resume=True)
     return {"cancelled": cancelled, "saved_after_cancel": saved, "steps": steps,
@@ -272,6 +290,7 @@ def check_resume_equals_uninterrupted(folder: str, settings: dict) -> dict:
             "loss_equal": resumed_loss["loss"] == full_loss["loss"], "refused": refused,
             "step2_left": step2.exists(), "newest": [p.name for p in newest],
             "exported_equal": exported_keys == list(full) and all(torch.equal(exported[k], full[k]) for k in full),
-            "sample_finite": bool(torch.isfinite(sample).all()),
+            "sample_finite": bool(torch.isfinite(sample).all()), "killed": killed,
+            "after_kill_equal": all(torch.equal(after_kill[k], full[k]) for k in full),
             "three_worst": max(((on_three[k] - full[k]).abs().max() / full[k].abs().max().clamp_min(1e-12)).item()
                                for k in full)}
