@@ -9,7 +9,8 @@ makes them), one optimizer step = forward + backward + step on a global batch of
 forward), the bytes per step by kind as counted at the collectives (FSDP's all-gathers in forward and again in
 backward, the adapters' gradient all-reduce) beside what DDP of the whole model would all-reduce, the CPU time per
 step, the peak working memory of a step per rank with gradient checkpointing and without, and the bytes gathered per
-step when the file stores the blocks' matrices fp8 or Q4_K. On CPU ranks each rank is one "device" of cores / 2
+step when the file stores the blocks' matrices fp8 or Q4_K, and a checkpoint's save time (each rank writing its
+shard, or rank 0 writing everything) and load time against the adapters' size. On CPU ranks each rank is one "device" of cores / 2
 threads, the single rank too: 2 ranks against 1 is then 2 devices against 1, as on GPUs (ideal ratio 0.5).
 """
 
@@ -103,7 +104,7 @@ def checkpoint(cfg: Config, folder: str, storage: str = "fp32") -> tuple[str, in
     return path, sum(v.numel() for v in sd.values())
 
 
-def first_adapters(cfg: Config) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def first_adapters(cfg: Config, rank: int = RANK) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """ComfyUI's LoRA on every 2-D layer (its create_train: up random, down zero) and a zero difference on every
     bias: what MGPU Train LoRA sends."""
     from comfy.weight_adapter import adapter_maps
@@ -116,7 +117,7 @@ def first_adapters(cfg: Config) -> tuple[list[dict], dict[str, torch.Tensor]]:
             continue
         if module.weight.ndim >= 2:
             standin = type("W", (), {"shape": module.weight.shape, "device": torch.device("cpu")})
-            adapter = adapter_maps["LoRA"].create_train(standin, rank=RANK, alpha=1.0)
+            adapter = adapter_maps["LoRA"].create_train(standin, rank=rank, alpha=1.0)
             specs.append({"key": f"{name}.weight", "kind": "adapter"})
             first.update({f"{name}.{k}": v.detach() for k, v in adapter.named_parameters()})
         if getattr(module, "bias", None) is not None:
@@ -207,6 +208,62 @@ def run(n: int, cfg: Config, path: str, reshard: bool, threads: int, checkpointi
         pool.close()
 
 
+def save_from_rank0(ctx, payload: dict, tensors: dict) -> dict:
+    """Rank op: the run's checkpoint written by rank 0 alone (every tensor whole and replicated, DCP told to give
+    each to the lowest rank): what a trainer that gathers to rank 0 does, against ``save_state``'s shards."""
+    import torch.distributed.checkpoint as dcp
+    from mgpu.training import ops
+
+    state = ops.checkpoint_tensors(ctx.objects[payload["handle"]][ops.RUN])
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(payload["path"]),
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    return {}
+
+
+def checkpoint_times(cfg: Config, path: str, folder: str, threads: int, ranks: tuple[int, ...]) -> list[dict]:
+    """Per LoRA rank, on 2 ranks after one AdamW step: seconds to save the checkpoint with every rank writing its
+    shard, with rank 0 writing everything, and to load it (median of 3), and its size on disk."""
+    found = []
+    pool = RankPool(PoolConfig(devices=["cpu"] * 2, extra_sys_path=[HERE, os.path.join(ROOT, "tests")],
+                               call_timeout_s=900, env={"OMP_NUM_THREADS": str(threads)}))
+    try:
+        sharded = ShardedModule(pool, ModelSpec(factory=FACTORY, checkpoint=path, param_dtype="fp32",
+                                                factory_kwargs={"dim": cfg.dim, "layers": cfg.layers}))
+        sharded.load()
+        x, target = inputs(cfg)
+        for rank in ranks:
+            specs, first = first_adapters(cfg, rank)
+            training = TrainingRun(sharded)
+            training.start(specs, first, factory="loaders.train_adapters:build",
+                           mode="loaders.train_adapters:training_mode", optimizer="AdamW", learning_rate=1e-4,
+                           training_dtype="fp32", lora_dtype="fp32", gradient_checkpointing=True)
+            torch.nn.functional.mse_loss(training.network(**x), target).backward()
+            training.step()
+
+            def timed(fn, name: str) -> float:
+                times = []
+                for i in range(3):
+                    where = os.path.join(folder, f"{name}-{rank}-{i}")
+                    t0 = time.perf_counter()
+                    fn(where if name != "load" else os.path.join(folder, f"shards-{rank}-0"))
+                    times.append(time.perf_counter() - t0)
+                return statistics.median(times)
+
+            shards = timed(training.save, "shards")
+            rank0 = timed(lambda where: pool.call("bench_train:save_from_rank0",
+                                                  {"handle": sharded.handle, "path": where}), "rank0")
+            load = timed(training.load, "load")
+            on_disk = sum(os.path.getsize(os.path.join(folder, f"shards-{rank}-0", f))
+                          for f in os.listdir(os.path.join(folder, f"shards-{rank}-0")))
+            found.append({"lora_rank": rank, "adapter_bytes": training.started["adapter_bytes"],
+                          "checkpoint_bytes": on_disk, "save_shards_seconds": shards, "save_rank0_seconds": rank0,
+                          "load_seconds": load})
+            training.stop()
+    finally:
+        pool.close()
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=512)
@@ -234,13 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             quantized, _ = checkpoint(cfg, folder, storage)
             stored[storage] = run(2, cfg, quantized, reshard=True, threads=half, steps=1,
                                   storage=storage)["fsdp_all_gather_per_step"]
+        saves = checkpoint_times(cfg, path, folder, half, (4, 16) if args.quick else (16, 64, 128))
     ddp = params * 4   # DDP of the whole model: every parameter's fp32 gradient all-reduced per step
     report = {"config": asdict(cfg), "model_params": params, "one_rank": one, "two_ranks_kept": kept,
               "two_ranks_resharded": resharded, "two_ranks_resharded_no_checkpointing": no_checkpointing,
               "step_ratio_kept": kept["step_seconds"] / one["step_seconds"],
               "step_ratio_resharded": resharded["step_seconds"] / one["step_seconds"],
               "peak_ratio_checkpointing": resharded["peak_step_bytes"] / no_checkpointing["peak_step_bytes"],
-              "all_gather_per_step_by_storage": stored,
+              "all_gather_per_step_by_storage": stored, "checkpoints": saves,
               "ddp_whole_model_all_reduce_per_step": ddp}
     print(f"LoRA training, ComfyUI WanModel dim {cfg.dim} x {cfg.layers} layers ({params:,} params), rank {RANK}, "
           f"2 rows x {cfg.tokens} tokens per step, gradient checkpointing on, {cores} cores: "
@@ -263,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     print("all-gathered per rank per step by the base's storage (forward + backward), against bf16 storage ("
           f"{format_bytes(int(bf16))}, the fp32 count halved): " + ", ".join(
               f"{k} {format_bytes(v)} ({v / bf16:.2f})" for k, v in stored.items()))
+    for c in saves:
+        print(f"checkpoint, LoRA rank {c['lora_rank']} ({format_bytes(c['adapter_bytes'])} of adapters, "
+              f"{format_bytes(c['checkpoint_bytes'])} on disk with AdamW's state): save {c['save_shards_seconds']:.3f} s "
+              f"with each rank writing its shard, {c['save_rank0_seconds']:.3f} s with rank 0 writing everything "
+              f"(ratio {c['save_shards_seconds'] / c['save_rank0_seconds']:.2f}); load {c['load_seconds']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -218,3 +218,9 @@ def test_train_bench_measures_a_training_step_over_two_ranks(tmp_path):
     stored = r["all_gather_per_step_by_storage"]
     assert 0.4 <= stored["fp8"] / stored["fp32"] <= 0.6, stored
     assert stored["gguf-q4_k"] == stored["fp32"] == resharded["fsdp_all_gather_per_step"], stored
+    # a checkpoint holds the adapters and AdamW's two moments: at least 3 x the adapters, on disk, per LoRA rank
+    assert [c["lora_rank"] for c in r["checkpoints"]] == [4, 16]
+    for c in r["checkpoints"]:
+        assert c["checkpoint_bytes"] >= 3 * c["adapter_bytes"] > 0 and c["load_seconds"] > 0, c
+    small, large = (c["adapter_bytes"] for c in r["checkpoints"])
+    assert 3 * small < large < 4 * small   # the factors grow with the rank, the bias differences do not

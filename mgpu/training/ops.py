@@ -146,7 +146,7 @@ def save_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     import torch.distributed.checkpoint as dcp
 
     run: Run = ctx.objects[payload["handle"]][RUN]
-    state = {name: _sharded(ctx, t) for name, t in _checkpoint_tensors(run).items()}
+    state = {name: _sharded(ctx, t) for name, t in checkpoint_tensors(run).items()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(payload["path"]))
     return {"tensors": len(state), "bytes": sum(_local(t).numel() * t.element_size() for t in state.values())}
 
@@ -186,7 +186,7 @@ def load_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     return {"tensors": len(targets)}
 
 
-def _checkpoint_tensors(run: Run) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(run: Run) -> dict[str, torch.Tensor]:
     """The adapters under ``lora/<key>`` and the optimizer's per-parameter state under ``optim/<key>/<name>``."""
     found = {LORA_PREFIX + k: t for k, t in adapter_mod.tensors(run.adapters).items()}
     names = list(run.params)
