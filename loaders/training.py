@@ -72,6 +72,8 @@ class TrainSettings:
     checkpoint_every: int = 0        # optimizer steps between checkpoints; 0: only at the end (and at a Cancel)
     keep_checkpoints: int = 3        # the newest checkpoints kept; 0: all
     resume: bool = False             # go on from the run's newest checkpoint
+    timestep_start: float = 0.0      # the share of the noise schedule trained on, as ComfyUI's percents: 0 is the
+    timestep_end: float = 1.0        # noisiest, 1 the cleanest (Wan 2.2: the high-noise expert 0..boundary)
 
     def fingerprint(self) -> dict:
         """What a resumed run must share with its checkpoint (the steps may grow; where checkpoints go may
@@ -88,6 +90,9 @@ class TrainSettings:
             if value not in allowed:
                 raise MgpuError(f"{NODE}: {name} {value!r} is not supported over FSDP ranks; choose one of "
                                 f"{', '.join(allowed)} (or ComfyUI's Train LoRA on a one-device model)")
+        if not 0.0 <= self.timestep_start < self.timestep_end <= 1.0:
+            raise MgpuError(f"{NODE}: timestep_start {self.timestep_start} and timestep_end {self.timestep_end} must "
+                            "satisfy 0 <= start < end <= 1 (shares of the noise schedule, 0 the noisiest)")
         if self.existing_lora != NO_LORA and not self.existing_lora.lower().endswith(".safetensors"):
             raise MgpuError(f"{NODE}: existing_lora {self.existing_lora!r} is not a .safetensors file; this pack "
                             "never unpickles a file: convert it to safetensors first")
@@ -205,6 +210,25 @@ class TrainingForward(RemoteForward):
         return self.run.network(**named).to(x.device)
 
 
+class SigmaRange(torch.nn.Module):
+    """The model's ``model_sampling`` with ``percent_to_sigma`` confined to ``[start, end]``: core's loop draws each
+    row's sigma as ``percent_to_sigma(rand())``, so the same draws land in that share of the schedule (a Wan 2.2
+    expert's). Everything else is the model's own."""
+
+    def __init__(self, inner: torch.nn.Module, start: float, end: float):
+        super().__init__()
+        self.inner, self.start, self.end = inner, start, end
+
+    def percent_to_sigma(self, percent: float):
+        return self.inner.percent_to_sigma(self.start + (self.end - self.start) * percent)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
 class RemoteOptimizer:
     """What ComfyUI's TrainSampler sees as its optimizer: the adapters live on the ranks (no parameter here),
     ``step`` runs there; one progress update per optimizer step, with the loss; a checkpoint when one is due."""
@@ -279,6 +303,9 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
         checkpoints.keys = order
         mp = model.clone()
         mp.set_model_compute_dtype(dtype)
+        if (settings.timestep_start, settings.timestep_end) != (0.0, 1.0):
+            mp.add_object_patch("model_sampling", SigmaRange(mp.get_model_object("model_sampling"),
+                                                             settings.timestep_start, settings.timestep_end))
         remote = mp.object_patches[REMOTE_FORWARD]
         run = TrainingRun(remote.sharded, cancelled=mm.processing_interrupted)
         mp.add_object_patch(REMOTE_FORWARD, TrainingForward(remote, run))

@@ -52,6 +52,11 @@ class MgpuTrainLoRA(io.ComfyNode):
                 io.Boolean.Input("resume", default=False, optional=True,
                                  tooltip="go on from this run's newest checkpoint (same settings and data; the "
                                          "steps may grow); ends with the LoRA of an uninterrupted run"),
+                io.Float.Input("timestep_start", default=0.0, min=0.0, max=1.0, step=0.001, optional=True,
+                               tooltip="train on this share of the noise schedule only, from (0: the noisiest) ..."),
+                io.Float.Input("timestep_end", default=1.0, min=0.0, max=1.0, step=0.001, optional=True,
+                               tooltip="... to (1: the cleanest); Wan 2.2 A14B: the high-noise expert 0 to its "
+                                       "boundary, the low-noise expert from there to 1"),
             ],
             outputs=[
                 io.Custom("LORA_MODEL").Output(display_name="lora"),
@@ -64,8 +69,8 @@ class MgpuTrainLoRA(io.ComfyNode):
     @classmethod
     def execute(cls, model, latents, positive, batch_size, grad_accumulation_steps, steps, learning_rate, rank,
                 optimizer, loss_function, seed, training_dtype, lora_dtype, algorithm, gradient_checkpointing,
-                existing_lora, run_name=None, checkpoint_every=None, keep_checkpoints=None,
-                resume=None) -> io.NodeOutput:
+                existing_lora, run_name=None, checkpoint_every=None, keep_checkpoints=None, resume=None,
+                timestep_start=None, timestep_end=None) -> io.NodeOutput:
         defaults = training.TrainSettings
         settings = training.TrainSettings(
             batch_size=batch_size[0], grad_accumulation_steps=grad_accumulation_steps[0], steps=steps[0],
@@ -74,6 +79,7 @@ class MgpuTrainLoRA(io.ComfyNode):
             gradient_checkpointing=gradient_checkpointing[0], existing_lora=existing_lora[0],
             run_name=(run_name or [defaults.run_name])[0],
             checkpoint_every=(checkpoint_every or [defaults.checkpoint_every])[0],
-            keep_checkpoints=(keep_checkpoints or [defaults.keep_checkpoints])[0], resume=(resume or [False])[0])
+            keep_checkpoints=(keep_checkpoints or [defaults.keep_checkpoints])[0], resume=(resume or [False])[0],
+            timestep_start=(timestep_start or [0.0])[0], timestep_end=(timestep_end or [1.0])[0])
         lora, loss_map, total = training.train(model[0], latents, positive, settings, node_id=cls.hidden.unique_id)
         return io.NodeOutput(lora, loss_map, total)

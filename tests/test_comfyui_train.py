@@ -137,3 +137,15 @@ def test_a_cancelled_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted
     # and resuming from it (the pool rebuilt) still ends with the uninterrupted LoRA
     assert "rank 1" in facts["killed"] and "killed/step_000002" in facts["killed"], facts["killed"]
     assert facts["after_kill_equal"]
+
+
+def test_wan22_experts_train_their_shares_of_the_schedule_in_turn_on_the_same_ranks(tmp_path: Path) -> None:
+    """timestep_start / timestep_end: the high-noise expert trains on the noisiest half (every timestep its network
+    sees is above the boundary), the low-noise expert on the rest, both on the same 2 ranks in one process; the
+    range changes the LoRA, and the experts taking turns changes nothing (the high one again: bit for bit)."""
+    facts = run_checks("training_checks", "check_wan22_experts_train_in_turn", str(tmp_path), BASE, timeout=900)
+    boundary = facts["boundary"]
+    # every row of every step (ComfyUI 0.33 gives Wan a timestep per latent frame: more entries, the same values)
+    assert len(facts["high_t"]) >= BASE["steps"] * BASE["batch_size"] <= len(facts["low_t"])
+    assert min(facts["high_t"]) >= boundary - 1e-3 and max(facts["low_t"]) <= boundary + 1e-3, facts
+    assert facts["again_equal"] and facts["range_changes_lora"] and facts["experts_differ"]

@@ -294,3 +294,52 @@ def check_resume_equals_uninterrupted(folder: str, settings: dict) -> dict:
             "after_kill_equal": all(torch.equal(after_kill[k], full[k]) for k in full),
             "three_worst": max(((on_three[k] - full[k]).abs().max() / full[k].abs().max().clamp_min(1e-12)).item()
                                for k in full)}
+
+
+def check_wan22_experts_train_in_turn(folder: str, settings: dict) -> dict:
+    """Wan 2.2 A14B's shape: two experts loaded by two MGPU loaders on the same 2 ranks, the high-noise LoRA trained
+    on the first half of the noise schedule, then the low-noise LoRA on the rest, in one process. The timesteps that
+    reach each expert's network stay in its share; training the high-noise expert again after the low one (the
+    experts took turns on the ranks) gives its LoRA bit for bit."""
+    import folder_paths
+
+    from comfy_checkpoints import WanDiTConfig, write_tiny_wan21_t2v
+    from loaders import diffusion, training
+
+    cfg = WanDiTConfig()
+    for name, seed in (("mgpu_wan22_high.safetensors", 1), ("mgpu_wan22_low.safetensors", 2)):
+        write_tiny_wan21_t2v(Path(folder) / name, cfg, seed=seed, dtype=torch.float32)
+    folder_paths.add_model_folder_path("diffusion_models", folder)
+    folder_paths.set_output_directory(str(Path(folder) / "output"))
+    folder_paths.set_user_directory(str(Path(folder) / "user"))
+    high = diffusion.load("mgpu_wan22_high.safetensors", "default", "fsdp", 2, slot=("high", 0))
+    low = diffusion.load("mgpu_wan22_low.safetensors", "default", "fsdp", 2, slot=("low", 0))
+    latent, conds = _data(2)
+    seen: list[float] = []
+    real_call = training.TrainingForward.__call__
+
+    def call(self, *args, **kwargs):
+        named, _, _ = self.bind(args, kwargs)
+        seen.extend(named["timestep"].detach().flatten().tolist())
+        return real_call(self, *args, **kwargs)
+
+    def train(model, start, end, run):
+        seen.clear()
+        lora, _, _ = training.train(model, [latent], [conds], training.TrainSettings(
+            **{**settings, "timestep_start": start, "timestep_end": end, "run_name": run}))
+        return lora, list(seen)
+
+    training.TrainingForward.__call__ = call
+    try:
+        high_lora, high_t = train(high, 0.0, 0.5, "high")
+        low_lora, low_t = train(low, 0.5, 1.0, "low")
+        again, _ = train(high, 0.0, 0.5, "high again")
+        whole, _ = train(high, 0.0, 1.0, "whole")
+    finally:
+        training.TrainingForward.__call__ = real_call
+    ms = high.get_model_object("model_sampling")
+    boundary = float(ms.timestep(ms.percent_to_sigma(0.5)))
+    return {"boundary": boundary, "high_t": high_t, "low_t": low_t,
+            "again_equal": all(torch.equal(again[k], high_lora[k]) for k in high_lora),
+            "range_changes_lora": any(not torch.equal(whole[k], high_lora[k]) for k in high_lora),
+            "experts_differ": any(not torch.equal(low_lora[k], high_lora[k]) for k in high_lora)}
