@@ -332,6 +332,11 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
             log.info("%s: %d adapters (%s trainable, rank %d) on every rank of %s; gradient checkpointing %s",
                      NODE, started["adapters"], format_bytes(started["adapter_bytes"]), settings.rank, label,
                      f"on ({started['checkpointed_units']} units)" if settings.gradient_checkpointing else "off")
+            if not settings.gradient_checkpointing:
+                log.warning("%s: gradient checkpointing is off: every layer keeps the weight it computed with (the "
+                            "gathered weight plus its adapter, a copy per layer) until the backward, so each rank "
+                            "holds about the whole model in the compute dtype beside the activations; turn it on "
+                            "for a large model", NODE)
             if resumed:
                 run.load(str(resumed.folder))
                 log.info("%s: resumed run %r at optimizer step %d of %d from %s (written by %d ranks)", NODE,

@@ -50,3 +50,8 @@ class CallCancelled(MgpuError):
 
 class ShardingError(MgpuError, ValueError):
     """The model cannot be sharded as asked: no block list, checkpoint keys that do not match, ..."""
+
+
+class TrainingError(MgpuError, ValueError):
+    """A training run refused on the ranks before any collective: an optimizer, adapters or a checkpoint that do not
+    fit the model. An ``MgpuError``, so the pool keeps its ranks (a refusal on every rank in step)."""

@@ -171,6 +171,33 @@ def test_a_cancelled_run_leaves_the_model_and_the_next_run_equals_a_fresh_one(se
         assert torch.equal(again[key], fresh[key]), key
 
 
+def test_a_cancel_during_a_backward_lets_the_step_finish_and_stops_at_the_next_forward(setup):
+    """Cancel pressed while the ranks run a backward (on a GPU: seconds; the pool gives ranks 3 s to agree): the
+    backward and the optimizer step run to their end (the step's update is kept), and the next forward stops the run
+    at a block boundary with the pool kept, so a checkpoint of the finished steps can still be written. (On cpu
+    ranks a backward ends well inside the pool's grace, so this holds even if backward watched the Cancel; on a GPU
+    it would not: TrainingRun passes the Cancel to forwards only.)"""
+    reference, sharded, pool = setup
+    specs, first = first_adapters(reference, seed=7)
+    inputs, target = data()
+    run = TrainingRun(sharded)
+    try:
+        start(run, specs, first)
+        out = run.network(**inputs)
+        run.cancelled = lambda: True   # Cancel, from here on
+        loss_of(out, target).backward()
+        run.step()
+        stepped = run.adapters()
+        assert any(not torch.equal(stepped[k], first[k]) for k in first if k.endswith("lora_down.weight"))
+        with pytest.raises(CallCancelled) as info:
+            run.network(**inputs)
+        assert info.value.pool_kept and pool.alive
+        run.cancelled = None
+        assert all(torch.equal(run.adapters()[k], stepped[k]) for k in stepped)
+    finally:
+        run.stop()
+
+
 def test_a_killed_rank_is_named_and_the_pool_rebuilds(setup):
     reference, sharded, pool = setup
     specs, first = first_adapters(reference, seed=2)

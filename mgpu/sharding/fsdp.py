@@ -211,6 +211,14 @@ def reset_after_failed_forward(root: FSDPModule) -> None:
         group._training_state = TrainingState.IDLE   # reshard() skips a kept-gathered group still in FORWARD
         group.reshard()
     state._state_ctx.iter_forward_root = None
+    # a backward that raised left its end-of-backward callback marked as queued (it never ran): the next backward
+    # would not queue it, and FSDP would never leave its backward state (the next forward would run on shards)
+    if hasattr(state._state_ctx, "post_backward_final_callback_queued"):
+        state._state_ctx.post_backward_final_callback_queued = False
+    if hasattr(state._comm_ctx, "reduce_scatter_state"):   # 2.11's one pending reduce-scatter (a later torch: a list)
+        state._comm_ctx.reduce_scatter_state = None
+    if isinstance(getattr(state._comm_ctx, "reduce_scatter_states", None), list):
+        state._comm_ctx.reduce_scatter_states.clear()
 
 
 def _prefetch_in_execution_order(root: FSDPModule, units: list[FSDPModule], depth: int) -> None:

@@ -24,6 +24,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from mgpu.errors import TrainingError
+
 HOOKS = {"weight": "weight_function", "bias": "bias_function"}
 
 
@@ -71,7 +73,7 @@ def attach(model: nn.Module, adapters: dict[str, nn.Module]) -> dict[str, Callab
         elif module is not None and param in HOOKS and hasattr(module, HOOKS[param]):
             found.append((key, module, HOOKS[param]))
         else:
-            raise ValueError(f"no layer of {type(model).__name__} takes the adapter for {key!r} (a ComfyUI casting "
+            raise TrainingError(f"no layer of {type(model).__name__} takes the adapter for {key!r} (a ComfyUI casting "
                              "layer takes ComfyUI's adapters; a torch Linear an OutputLoRA)")
     undo = {}
     for key, module, attr in found:
@@ -108,7 +110,7 @@ def build_output_loras(specs: list[dict], tensors: dict[str, torch.Tensor], lora
     found: dict[str, nn.Module] = {}
     for spec in specs:
         if spec["kind"] != "adapter":
-            raise ValueError(f"{spec['key']}: a plain torch layer takes a LoRA only (kind 'adapter')")
+            raise TrainingError(f"{spec['key']}: a plain torch layer takes a LoRA only (kind 'adapter')")
         layer = spec["key"].rpartition(".")[0]
         up, down = tensors[f"{layer}.lora_up.weight"], tensors[f"{layer}.lora_down.weight"]
         alpha = float(tensors[f"{layer}.alpha"]) if f"{layer}.alpha" in tensors else float(down.shape[0])

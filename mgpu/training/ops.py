@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from mgpu.errors import TrainingError
 from mgpu.ranks.rank import RankContext, Tensors, import_path
 from mgpu.sharding import model_ops
 from mgpu.sharding.fsdp import reset_after_failed_forward
@@ -60,7 +61,7 @@ def start(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
         _end(ctx, entry)
     model: nn.Module = entry["model"]
     if payload["optimizer"] not in OPTIMIZERS:
-        raise ValueError(f"optimizer {payload['optimizer']!r}: choose one of {', '.join(OPTIMIZERS)}")
+        raise TrainingError(f"optimizer {payload['optimizer']!r}: choose one of {', '.join(OPTIMIZERS)}")
     build = import_path(payload["adapters"])
     mode = import_path(payload["mode"]) if payload.get("mode") else _no_switch
     found = build(payload["specs"], tensors, payload["lora_dtype"], ctx.torch_device)
@@ -88,7 +89,7 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
         with torch.enable_grad(), _autocast(ctx.torch_device, run.autocast):
             out = model_ops.output_of(entry["model"](*step.args, **step.kwargs))
         if not isinstance(out, torch.Tensor):
-            raise ValueError("this network answers with several streams (LTX-2's video and audio): training it "
+            raise TrainingError("this network answers with several streams (LTX-2's video and audio): training it "
                              "over the ranks is not supported yet")
     except Exception:
         _failed(ctx, entry)
@@ -105,6 +106,9 @@ def backward(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     entry = ctx.objects[payload["handle"]]
     run: Run = entry[RUN]
     out, step = run.graphs.pop(payload["graph"])
+    # the split this graph's forward took: a checkpointed block's recompute exchanges tokens over its group again
+    # (another forward since may have selected another; one resolution per run keeps the token sizes)
+    entry["layouts"].use(step.layout)
     grad = (tensors["grad"][step.lo:step.hi].to(out.device, out.dtype) if step.answers else
             torch.zeros_like(out))
     try:
@@ -163,7 +167,7 @@ def load_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     live = adapter_mod.tensors(run.adapters)
     missing = [k for k in live if LORA_PREFIX + k not in saved]
     if missing:
-        raise ValueError(f"the checkpoint has no values for {len(missing)} adapters (first: {missing[0]}): it was "
+        raise TrainingError(f"the checkpoint has no values for {len(missing)} adapters (first: {missing[0]}): it was "
                          "written for another model or LoRA rank")
     index = {name: i for i, name in enumerate(run.params)}
     targets = {LORA_PREFIX + k: _sharded(ctx, torch.empty_like(t)) for k, t in live.items()}
@@ -171,7 +175,7 @@ def load_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
         if name.startswith(OPTIM_PREFIX):
             key, _, what = name[len(OPTIM_PREFIX):].rpartition("/")
             if key not in index:
-                raise ValueError(f"the checkpoint's optimizer state names {key!r}, which this run does not train")
+                raise TrainingError(f"the checkpoint's optimizer state names {key!r}, which this run does not train")
             device = "cpu" if what == "step" else ctx.torch_device   # torch keeps an optimizer's step on the CPU
             targets[name] = _sharded(ctx, torch.empty(meta.size, dtype=meta.properties.dtype, device=device))
     dcp.load(targets, storage_reader=reader)
@@ -199,8 +203,10 @@ def checkpoint_tensors(run: Run) -> dict[str, torch.Tensor]:
 
 def _sharded(ctx: RankContext, t: torch.Tensor):
     """``t`` (whole on every rank) as a DTensor sharded on dim 0 over the ranks without communication, or ``t``
-    itself when it has fewer rows than ranks or lives elsewhere than the mesh (an optimizer's step on the CPU)."""
-    if t.ndim == 0 or t.shape[0] < ctx.world_size or t.device.type != ctx.mesh.device_type:
+    itself when some rank's chunk would be empty (``Shard(0)`` cuts as ``torch.chunk``: 6 rows on 5 ranks are
+    2, 2, 2, 0, 0) or it lives elsewhere than the mesh (an optimizer's step on the CPU)."""
+    n, ranks = (t.shape[0] if t.ndim else 0), ctx.world_size
+    if n < ranks or -(-n // ranks) * (ranks - 1) >= n or t.device.type != ctx.mesh.device_type:
         return t
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -34,10 +34,14 @@ class TrainingRun:
         self._graphs = itertools.count()
         self._generation = -1
 
-    def _call(self, op: str, payload: dict, tensors: dict | None = None) -> list:
+    def _call(self, op: str, payload: dict, tensors: dict | None = None, cancellable: bool = False) -> list:
+        """Only a forward (and the start) watch ComfyUI's Cancel: the ranks agree on it at a block boundary of the
+        forward. A backward, an optimizer step or a checkpoint runs to its end (a cancel mid-way would leave no rank
+        at an agreed point and tear the pool down, losing what the run kept); the next forward stops the run."""
         try:
             return self.sharded.pool.call(OPS + op, {"handle": self.sharded.handle, **payload}, tensors,
-                                          timeout=self.timeout, cancelled=self.cancelled, generation=self._generation)
+                                          timeout=self.timeout, cancelled=self.cancelled if cancellable else None,
+                                          generation=self._generation)
         except (RankFailure, CallCancelled):
             self.sharded.reset_cache()   # a failed op drops the ranks' cached inputs (and a lost pool has none)
             raise
@@ -54,13 +58,13 @@ class TrainingRun:
         replies = self._call("start", {"specs": specs, "adapters": factory, "mode": mode, "optimizer": optimizer,
                                        "learning_rate": learning_rate, "training_dtype": training_dtype,
                                        "lora_dtype": lora_dtype, "gradient_checkpointing": gradient_checkpointing},
-                             first)
+                             first, cancellable=True)
         self.started = replies[0].payload
         return self.started
 
     def forward(self, graph: int, args: tuple, kwargs: dict) -> torch.Tensor:
         payload, tensors = self.sharded.pack_forward(args, kwargs)
-        replies = self._call("forward", {**payload, "graph": graph}, tensors)
+        replies = self._call("forward", {**payload, "graph": graph}, tensors, cancellable=True)
         out = self.sharded.join_rows(replies).clone()   # not a view of the pool's shared memory
         self.bytes["outputs"] += out.numel() * out.element_size()
         return out
