@@ -10,8 +10,9 @@ forward), the bytes per step by kind as counted at the collectives (FSDP's all-g
 backward, the adapters' gradient all-reduce) beside what DDP of the whole model would all-reduce, the CPU time per
 step, the peak working memory of a step per rank with gradient checkpointing and without, and the bytes gathered per
 step when the file stores the blocks' matrices fp8 or Q4_K, and a checkpoint's save time (each rank writing its
-shard, or rank 0 writing everything) and load time against the adapters' size. On CPU ranks each rank is one "device" of cores / 2
-threads, the single rank too: 2 ranks against 1 is then 2 devices against 1, as on GPUs (ideal ratio 0.5).
+shard, or rank 0 writing everything) and load time against the adapters' size. On CPU ranks each rank is one
+"device" of cores / 2 threads, the single rank too: 2 ranks against 1 is then 2 devices against 1, as on GPUs (ideal
+ratio 0.5).
 """
 
 from __future__ import annotations
@@ -171,9 +172,9 @@ def run(n: int, cfg: Config, path: str, reshard: bool, threads: int, checkpointi
     pool = RankPool(PoolConfig(devices=["cpu"] * n, extra_sys_path=[HERE, os.path.join(ROOT, "tests")],
                                call_timeout_s=900, env={"OMP_NUM_THREADS": str(threads)}))
     try:
+        kwargs = {"dim": cfg.dim, "layers": cfg.layers, "storage": storage}
         sharded = ShardedModule(pool, ModelSpec(factory=FACTORY, checkpoint=path, reshard_after_forward=reshard,
-                                                param_dtype="fp32", factory_kwargs={"dim": cfg.dim, "layers": cfg.layers,
-                                                                                    "storage": storage}))
+                                                param_dtype="fp32", factory_kwargs=kwargs))
         sharded.load()
         specs, first = first_adapters(cfg)
         x, target = inputs(cfg)
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{k} {format_bytes(v)} ({v / bf16:.2f})" for k, v in stored.items()))
     for c in saves:
         print(f"checkpoint, LoRA rank {c['lora_rank']} ({format_bytes(c['adapter_bytes'])} of adapters, "
-              f"{format_bytes(c['checkpoint_bytes'])} on disk with AdamW's state): save {c['save_shards_seconds']:.3f} s "
+              f"{format_bytes(c['checkpoint_bytes'])} on disk with AdamW's state): "
+              f"save {c['save_shards_seconds']:.3f} s "
               f"with each rank writing its shard, {c['save_rank0_seconds']:.3f} s with rank 0 writing everything "
               f"(ratio {c['save_shards_seconds'] / c['save_rank0_seconds']:.2f}); load {c['load_seconds']:.3f} s")
     if args.json:

@@ -14,12 +14,10 @@ adapters' gradient all-reduce, beside what DDP of the whole model would all-redu
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from mgpu.demo import (FACTORY, GATHERED_OP, GGUF_TYPES, LORA_TARGETS, Checkpoint, DemoConfig, check_weights,
                        make_checkpoint, rank_devices, wan_transformer, work_dir)
@@ -218,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     per_step = sum(sum(g.values()) for g in gathered) // len(gathered)
     blocks = sum(g.get("blocks", 0) for g in gathered) // len(gathered)
     print(f"bytes per optimizer step: FSDP all-gathers (forward, and again in backward) {format_bytes(per_step)} "
-          f"per rank (the blocks {format_bytes(blocks)}, the rest in {args.dtype} {format_bytes(per_step - blocks)}); network output to the host {format_bytes(sent['outputs'] // steps)}, "
+          f"per rank (the blocks {format_bytes(blocks)}, the rest in {args.dtype} {format_bytes(per_step - blocks)}); "
+          f"network output to the host {format_bytes(sent['outputs'] // steps)}, "
           f"its gradient back {format_bytes(sent['output_grads'] // steps)}; adapter gradients all-reduced "
           f"{format_bytes(sent['adapter_reduce'] // steps)} (the adapters: {format_bytes(sent['adapter_bytes'])}); "
           f"DDP of the whole model would all-reduce {format_bytes(params * 4)}")

@@ -31,10 +31,10 @@ def test_an_output_lora_equals_the_weight_plus_scaled_up_down_and_detaches_clean
 
 def test_a_layer_that_cannot_take_its_adapter_is_refused_before_any_changes():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    found = adapters.build_output_loras([{"key": "0.weight", "kind": "adapter"}, {"key": "1.weight", "kind": "adapter"}],
-                                        {"0.lora_up.weight": torch.zeros(4, 2), "0.lora_down.weight": torch.zeros(2, 4),
-                                         "1.lora_up.weight": torch.zeros(4, 2), "1.lora_down.weight": torch.zeros(2, 4)},
-                                        "fp32", torch.device("cpu"))
+    specs = [{"key": f"{i}.weight", "kind": "adapter"} for i in (0, 1)]
+    values = {f"{i}.lora_{side}.weight": torch.zeros(shape) for i in (0, 1) for side, shape in (("up", (4, 2)),
+                                                                                                  ("down", (2, 4)))}
+    found = adapters.build_output_loras(specs, values, "fp32", torch.device("cpu"))
     with pytest.raises(ValueError, match="'1.weight'"):
         adapters.attach(model, found)
     assert not model[0]._forward_hooks

@@ -15,20 +15,12 @@ import torch
 import tiny_models as tm
 from comfyui_env import SKIP_REASON
 from mgpu.ranks.pool import PoolConfig, RankPool
-from mgpu.sharding.sharded import ModelSpec, ShardedModule
 from mgpu.training import checkpoints as ck
 from mgpu.training.run import TrainingRun
-from test_training_ranks import TESTS, data, first_adapters, loss_of, start
+from test_training_ranks import TESTS, data, first_adapters, loss_of, sharded_wan, start
 
 ROOT = os.path.dirname(TESTS)
 pytestmark = [pytest.mark.comfyui, pytest.mark.skipif(tm.comfyui_path() is None, reason=SKIP_REASON)]
-
-
-def _sharded(pool: RankPool, path, reference) -> ShardedModule:
-    model = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_comfy_wan", checkpoint=str(path),
-                                          key_prefix=tm.checkpoint_prefix(reference), cached_inputs=("context",)))
-    model.load()
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +29,7 @@ def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "wan.safetensors"
     tm.save_checkpoint(reference, path)
     pool = RankPool(PoolConfig(devices=["cpu", "cpu"], extra_sys_path=[TESTS], call_timeout_s=120))
-    yield reference, path, _sharded(pool, path, reference)
+    yield reference, path, sharded_wan(pool, path, reference)
     pool.close()
 
 
@@ -90,7 +82,7 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit_and_on_three_ranks(setu
 
     pool3 = RankPool(PoolConfig(devices=["cpu"] * 3, extra_sys_path=[TESTS], call_timeout_s=120))
     try:
-        three = _sharded(pool3, path, reference)
+        three = sharded_wan(pool3, path, reference)
         loaded = _train(three, specs, first, inputs, target, 0, resume_from=folder)
         for k in halfway:   # the state DCP resharded for 3 ranks is what 2 ranks saved, bit for bit
             assert torch.equal(loaded[k], halfway[k]), k
@@ -137,7 +129,8 @@ def test_only_folders_this_pack_signed_are_read(setup, tmp_path):
     specs, first = first_adapters(reference, seed=6)
     inputs, target = data()
     key = ck.signing_key(tmp_path / "user")
-    assert ck.signing_key(tmp_path / "user") == key and oct(os.stat(tmp_path / "user" / ck.KEY_FILE).st_mode)[-3:] == "600"
+    assert ck.signing_key(tmp_path / "user") == key   # made once, then read
+    assert oct(os.stat(tmp_path / "user" / ck.KEY_FILE).st_mode)[-3:] == "600"
     folder = ck.step_folder(tmp_path / "out", "r", 1)
     _train(sharded, specs, first, inputs, target, 1, save_to=folder)
     ck.write_host_state(folder, _state(2))

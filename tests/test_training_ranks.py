@@ -78,15 +78,22 @@ def reference_run(reference: nn.Module, specs, first, inputs, target, steps: int
     return adapters.state(found)
 
 
+def sharded_wan(pool: RankPool, path, reference: nn.Module, **spec) -> ShardedModule:
+    """The tiny ComfyUI Wan of ``path`` loaded over ``pool``'s ranks (``spec``: more ModelSpec fields)."""
+    model = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_comfy_wan", checkpoint=str(path),
+                                          key_prefix=tm.checkpoint_prefix(reference), cached_inputs=("context",),
+                                          **spec))
+    model.load()
+    return model
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     reference = tm.reference("comfy_wan")
     path = tmp_path_factory.mktemp("train") / "wan.safetensors"
     tm.save_checkpoint(reference, path)
     pool = RankPool(PoolConfig(devices=["cpu", "cpu"], extra_sys_path=[TESTS], call_timeout_s=120))
-    sharded = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_comfy_wan", checkpoint=str(path),
-                                            key_prefix=tm.checkpoint_prefix(reference), cached_inputs=("context",)))
-    sharded.load()
+    sharded = sharded_wan(pool, path, reference)
     yield reference, sharded, pool
     pool.close()
 
@@ -135,10 +142,7 @@ def test_a_sequence_parallel_model_trains_one_row_over_both_ranks(setup, tmp_pat
     reference, _, pool = setup
     path = tmp_path / "wan.safetensors"
     tm.save_checkpoint(reference, path)
-    sharded = ShardedModule(pool, ModelSpec(factory="tiny_models:tiny_comfy_wan", checkpoint=str(path),
-                                            key_prefix=tm.checkpoint_prefix(reference), cached_inputs=("context",),
-                                            sp_degree=2))
-    sharded.load()
+    sharded = sharded_wan(pool, path, reference, sp_degree=2)
     try:
         specs, first = first_adapters(reference, seed=3)
         inputs, target = data(rows)

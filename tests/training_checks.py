@@ -4,6 +4,7 @@ ranks, same seed and data."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 
@@ -142,6 +143,32 @@ def _sample_once(model) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def _after_step(n: int, action):
+    """``action()`` right after MGPU Train LoRA's optimizer step ``n`` (its checkpoint, if due, written)."""
+    from loaders import training
+
+    real_step = training.RemoteOptimizer.step
+
+    def step(self):
+        real_step(self)
+        if self.done == n:
+            action()
+
+    training.RemoteOptimizer.step = step
+    try:
+        yield
+    finally:
+        training.RemoteOptimizer.step = real_step
+
+
+def _press_cancel() -> None:
+    """What ComfyUI's Cancel button does: the next progress update raises its interrupt."""
+    import comfy.model_management as mm
+
+    mm.interrupt_current_processing(True)
+
+
 def check_cancel_keeps_the_finished_steps(folder: str, settings: dict) -> dict:
     """ComfyUI's Cancel during step 3 of 4 (the interrupt flag raised after 2 optimizer steps): the node ends as an
     interrupt, the LoRA of the 2 finished steps is in ComfyUI's output folder, equal to a 2-step run's; the model
@@ -159,21 +186,12 @@ def check_cancel_keeps_the_finished_steps(folder: str, settings: dict) -> dict:
     sharded = diffusion.load(WAN, "default", "fsdp", 2)
     two, _, _ = training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 2}))
 
-    real_step = training.RemoteOptimizer.step
-
-    def step(self):
-        real_step(self)
-        if self.done == 2:
-            mm.interrupt_current_processing(True)   # the user presses Cancel
-
-    training.RemoteOptimizer.step = step
     interrupted = ""
     try:
-        training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 4}))
+        with _after_step(2, _press_cancel):
+            training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 4}))
     except mm.InterruptProcessingException as exc:
         interrupted = type(exc).__name__
-    finally:
-        training.RemoteOptimizer.step = real_step
     kept = sorted((Path(folder) / "output" / "loras").glob("mgpu_cancelled_lora_2_steps_*.safetensors"))
     saved = load_file(str(kept[0])) if kept else {}
     again, _, _ = training.train(sharded, [latent], [conds], training.TrainSettings(**{**settings, "steps": 2}))
@@ -235,21 +253,12 @@ def check_resume_equals_uninterrupted(folder: str, settings: dict) -> dict:
         return training.train(model, [latent], [conds], training.TrainSettings(**{**settings, **changes}))
 
     full, full_loss, _ = train(sharded, run_name="full")
-    real_step = training.RemoteOptimizer.step
-
-    def step(self):
-        real_step(self)
-        if self.done == 2:
-            mm.interrupt_current_processing(True)   # the user presses Cancel
-
-    training.RemoteOptimizer.step = step
     cancelled = ""
     try:
-        train(sharded, run_name="part", checkpoint_every=1, keep_checkpoints=1)
+        with _after_step(2, _press_cancel):
+            train(sharded, run_name="part", checkpoint_every=1, keep_checkpoints=1)
     except mm.InterruptProcessingException as exc:
         cancelled = type(exc).__name__
-    finally:
-        training.RemoteOptimizer.step = real_step
     saved = [p.name for p in ck.saved_steps(training_checkpoints.root(), "part")]
     resumed, resumed_loss, steps = train(sharded, run_name="part", resume=True, keep_checkpoints=1)
     try:
@@ -268,20 +277,15 @@ def check_resume_equals_uninterrupted(folder: str, settings: dict) -> dict:
     import os
     import signal
 
-    def kill_after_two(self):   # a rank dies (OOM killer, a driver fault) after the second optimizer step
-        real_step(self)
-        if self.done == 2:
-            pid = [r.payload["pid"] for r in sharded.sharded.pool.call("ping")][1]
-            os.kill(pid, signal.SIGKILL)
+    def kill_rank_1():   # a rank dies (OOM killer, a driver fault)
+        os.kill([r.payload["pid"] for r in sharded.sharded.pool.call("ping")][1], signal.SIGKILL)
 
-    training.RemoteOptimizer.step = kill_after_two
     killed = ""
     try:
-        train(sharded, run_name="killed", checkpoint_every=2)
+        with _after_step(2, kill_rank_1):
+            train(sharded, run_name="killed", checkpoint_every=2)
     except Exception as exc:   # noqa: BLE001 - the test asserts what was raised
         killed = f"{type(exc).__name__}: {exc}"
-    finally:
-        training.RemoteOptimizer.step = real_step
     after_kill, _, _ = train(sharded, run_name="killed", resume=True)   # the pool rebuilds, the model reloads
     train(sharded, run_name="two", steps=2)   # 2 of the 4 steps on 2 ranks, the rest on 3
     on_three, _, _ = train(diffusion.load(name, "default", "fsdp", 3), run_name="two", resume=True)

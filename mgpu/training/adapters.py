@@ -73,8 +73,8 @@ def attach(model: nn.Module, adapters: dict[str, nn.Module]) -> dict[str, Callab
         elif module is not None and param in HOOKS and hasattr(module, HOOKS[param]):
             found.append((key, module, HOOKS[param]))
         else:
-            raise TrainingError(f"no layer of {type(model).__name__} takes the adapter for {key!r} (a ComfyUI casting "
-                             "layer takes ComfyUI's adapters; a torch Linear an OutputLoRA)")
+            raise TrainingError(f"no layer of {type(model).__name__} takes the adapter for {key!r} (a ComfyUI "
+                                "casting layer takes ComfyUI's adapters; a torch Linear an OutputLoRA)")
     undo = {}
     for key, module, attr in found:
         if attr is None:

@@ -21,7 +21,7 @@ import re
 import secrets
 import shutil
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +55,6 @@ class HostState:
     prefix: str                       # what those keys have that the ranks' (network-relative) keys lack
     world_size: int                   # ranks that wrote it (a resume may use another count)
     format: int = FORMAT
-    extra: dict = field(default_factory=dict)
 
     def rng_state(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(self.rng)), dtype=torch.uint8)

@@ -54,8 +54,8 @@ class Run:
 def start(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     """Install the adapters (built by ``payload["adapters"]``, a factory path, from the host's first values) in the
     model's layers, turn the host library's training paths on (``payload["mode"]``, a path called with True now and
-    False when the run ends; None: the model has no such switch), switch gradient checkpointing per FSDP unit on if asked, and make the optimizer. A run this
-    model still carries (its host went away mid-run) ends first."""
+    False when the run ends; None: the model has no such switch), switch gradient checkpointing per FSDP unit on if
+    asked, and make the optimizer. A run this model still carries (its host went away mid-run) ends first."""
     entry = ctx.objects[payload["handle"]]
     if RUN in entry:
         _end(ctx, entry)
@@ -90,7 +90,7 @@ def forward(ctx: RankContext, payload: dict, tensors: Tensors) -> tuple[dict, Te
             out = model_ops.output_of(entry["model"](*step.args, **step.kwargs))
         if not isinstance(out, torch.Tensor):
             raise TrainingError("this network answers with several streams (LTX-2's video and audio): training it "
-                             "over the ranks is not supported yet")
+                                "over the ranks is not supported yet")
     except Exception:
         _failed(ctx, entry)
         raise
@@ -145,14 +145,14 @@ def save_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     """Write the run's adapters and optimizer state to ``payload["path"]`` with ``torch.distributed.checkpoint``:
     each tensor as a DTensor sharded on dim 0 over all ranks (every rank holds it whole, so this costs no
     communication), so every rank writes its own shard in parallel and a later load may use another rank count;
-    tensors too small to shard (0-d, fewer rows than ranks) once, by one rank. (DCP reads its data files with
+    tensors too small to shard (``_sharded``) once, by one rank. (DCP reads its data files with
     ``torch.load(weights_only=True)`` and its metadata with pickle: the host reads only folders it signed.)"""
     import torch.distributed.checkpoint as dcp
 
     run: Run = ctx.objects[payload["handle"]][RUN]
     state = {name: _sharded(ctx, t) for name, t in checkpoint_tensors(run).items()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(payload["path"]))
-    return {"tensors": len(state), "bytes": sum(_local(t).numel() * t.element_size() for t in state.values())}
+    return {"tensors": len(state)}
 
 
 def load_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
@@ -167,25 +167,25 @@ def load_state(ctx: RankContext, payload: dict, tensors: Tensors) -> dict:
     live = adapter_mod.tensors(run.adapters)
     missing = [k for k in live if LORA_PREFIX + k not in saved]
     if missing:
-        raise TrainingError(f"the checkpoint has no values for {len(missing)} adapters (first: {missing[0]}): it was "
-                         "written for another model or LoRA rank")
+        raise TrainingError(f"the checkpoint has no values for {len(missing)} adapters (first: {missing[0]}): it "
+                            "was written for another model or LoRA rank")
     index = {name: i for i, name in enumerate(run.params)}
     targets = {LORA_PREFIX + k: _sharded(ctx, torch.empty_like(t)) for k, t in live.items()}
+    optim: dict[str, tuple[int, str]] = {}   # checkpoint name -> (parameter index, state name)
     for name, meta in saved.items():
         if name.startswith(OPTIM_PREFIX):
             key, _, what = name[len(OPTIM_PREFIX):].rpartition("/")
             if key not in index:
                 raise TrainingError(f"the checkpoint's optimizer state names {key!r}, which this run does not train")
+            optim[name] = (index[key], what)
             device = "cpu" if what == "step" else ctx.torch_device   # torch keeps an optimizer's step on the CPU
             targets[name] = _sharded(ctx, torch.empty(meta.size, dtype=meta.properties.dtype, device=device))
     dcp.load(targets, storage_reader=reader)
     for k, t in live.items():
         t.copy_(_whole(targets[LORA_PREFIX + k]))
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in targets.items():
-        if name.startswith(OPTIM_PREFIX):
-            key, _, what = name[len(OPTIM_PREFIX):].rpartition("/")
-            state.setdefault(index[key], {})[what] = _whole(value)
+    for name, (i, what) in optim.items():
+        state.setdefault(i, {})[what] = _whole(targets[name])
     run.optimizer.load_state_dict({"state": state, "param_groups": run.optimizer.state_dict()["param_groups"]})
     return {"tensors": len(targets)}
 
@@ -211,10 +211,6 @@ def _sharded(ctx: RankContext, t: torch.Tensor):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     return distribute_tensor(t, ctx.mesh, [Shard(0)], src_data_rank=None)
-
-
-def _local(t) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _whole(t) -> torch.Tensor:

@@ -47,7 +47,8 @@ class TrainingRun:
             raise
 
     def start(self, specs: list[dict], first: dict[str, torch.Tensor], *, factory: str, mode: str | None,
-              optimizer: str, learning_rate: float, training_dtype: str, lora_dtype: str, gradient_checkpointing: bool) -> dict:
+              optimizer: str, learning_rate: float, training_dtype: str, lora_dtype: str,
+              gradient_checkpointing: bool) -> dict:
         """Install the adapters ``specs`` describes with the values ``first`` (LoRA keys) on every rank."""
         sync = getattr(self.sharded, "sync_patches", None)   # the model's own weight patches, as when sampling
         if sync is not None:
