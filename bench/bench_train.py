@@ -209,6 +209,24 @@ def run(n: int, cfg: Config, path: str, reshard: bool, threads: int, checkpointi
         pool.close()
 
 
+def planned_working(cfg: Config, path: str, ranks: int, checkpointing: bool) -> int:
+    """What the plan counts per rank for one step of this run (``partition.rank_need``'s working memory: the
+    activations with the safety factor, FSDP2's gathered blocks, the adapter, its gradient and AdamW's state), for the
+    same model file, rows, tokens and LoRA, in fp32 on ``ranks`` cpu ranks."""
+    from mgpu.planning.devices import inventory
+    from mgpu.planning.estimates import Workload
+    from mgpu.planning.partition import Component, rank_need
+    from mgpu.planning.sizing import size_component
+    from mgpu.planning.training import Training
+
+    f, h, w = cfg.grid   # latent frames x patches: Wan's VAE steps 4 frames and 8 pixels, its patches 1 x 2 x 2
+    train = Training(lora_rank=RANK, optimizer="AdamW", checkpointing="on" if checkpointing else "off",
+                     training_dtype="fp32", lora_dtype="fp32")
+    wl = Workload(width=w * 8, height=h * 8, frames=(f - 1) * 4 + 1, batch=2, cfg=False, train=train)
+    host = [d for d in inventory("cpu=64GiB") if d.kind == "cpu"]
+    return rank_need(Component("dit", size_component(path)), host * ranks, wl).working
+
+
 def save_from_rank0(ctx, payload: dict, tensors: dict) -> dict:
     """Rank op: the run's checkpoint written by rank 0 alone (every tensor whole and replicated, DCP told to give
     each to the lowest rank): what a trainer that gathers to rank 0 does, against ``save_state``'s shards."""
@@ -293,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             stored[storage] = run(2, cfg, quantized, reshard=True, threads=half, steps=1,
                                   storage=storage)["fsdp_all_gather_per_step"]
         saves = checkpoint_times(cfg, path, folder, half, (4, 16) if args.quick else (16, 64, 128))
+        plan = {"one_rank": planned_working(cfg, path, 1, True),
+                "two_ranks_resharded": planned_working(cfg, path, 2, True),
+                "two_ranks_resharded_no_checkpointing": planned_working(cfg, path, 2, False)}
     ddp = params * 4   # DDP of the whole model: every parameter's fp32 gradient all-reduced per step
     report = {"config": asdict(cfg), "model_params": params, "one_rank": one, "two_ranks_kept": kept,
               "two_ranks_resharded": resharded, "two_ranks_resharded_no_checkpointing": no_checkpointing,
@@ -300,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
               "step_ratio_resharded": resharded["step_seconds"] / one["step_seconds"],
               "peak_ratio_checkpointing": resharded["peak_step_bytes"] / no_checkpointing["peak_step_bytes"],
               "all_gather_per_step_by_storage": stored, "checkpoints": saves,
-              "ddp_whole_model_all_reduce_per_step": ddp}
+              "ddp_whole_model_all_reduce_per_step": ddp, "planned_working": plan,
+              "plan_over_measured": {k: v / report_peak for k, v in plan.items()
+                                     if (report_peak := {"one_rank": one, "two_ranks_resharded": resharded,
+                                                         "two_ranks_resharded_no_checkpointing": no_checkpointing
+                                                         }[k]["peak_step_bytes"])}}
     print(f"LoRA training, ComfyUI WanModel dim {cfg.dim} x {cfg.layers} layers ({params:,} params), rank {RANK}, "
           f"2 rows x {cfg.tokens} tokens per step, gradient checkpointing on, {cores} cores: "
           f"{half} thread{'s' if half > 1 else ''} per rank")
@@ -318,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
           f"checkpointing on {format_bytes(resharded['peak_step_bytes'])}, off "
           f"{format_bytes(no_checkpointing['peak_step_bytes'])} (ratio on/off {report['peak_ratio_checkpointing']:.2f})"
           f"; 1 rank with both rows, on: {format_bytes(one['peak_step_bytes'])}")
+    print("the plan's working memory per rank against these peaks (activations x the safety factor, gathered "
+          "blocks, adapter with gradient and AdamW state): " + ", ".join(
+              f"{k.replace('_', ' ')} {format_bytes(plan[k])} ({v:.2f}x)"
+              for k, v in report["plan_over_measured"].items()))
     bf16 = stored["fp32"] / 2   # every parameter gathered once in forward and once in backward, 2 bytes each
     print("all-gathered per rank per step by the base's storage (forward + backward), against bf16 storage ("
           f"{format_bytes(int(bf16))}, the fp32 count halved): " + ", ".join(

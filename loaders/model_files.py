@@ -33,6 +33,7 @@ from mgpu.planning.partition import (
     phases_resident,
 )
 from mgpu.planning.sizing import ComponentSize, size_component
+from mgpu.planning.training import CHECKPOINTING, OPTIMIZER_STATES, Training
 
 from .placement import available_devices, host_context_gpus, live_devices
 
@@ -45,8 +46,11 @@ AUTO_DEVICES = "auto"
 # tests/test_comfyui_nodes.py checks the two lists agree). "default" is sized as stored in the file.
 DIT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2", "bf16", "fp16", "fp32")
 # (min, max, default): the node's widgets and the route accept the same numbers.
-INT_LIMITS = {"width": (16, 16384, 832), "height": (16, 16384, 480), "frames": (1, 16384, 81), "batch": (1, 64, 1)}
-BOOL_DEFAULTS = {"cfg": True, "allow_offload": False, "prefer_speed": False}
+INT_LIMITS = {"width": (16, 16384, 832), "height": (16, 16384, 480), "frames": (1, 16384, 81), "batch": (1, 64, 1),
+              "lora_rank": (1, 128, 32), "grad_accumulation": (1, 1024, 1), "dataset": (1, 100000, 1)}
+BOOL_DEFAULTS = {"cfg": True, "allow_offload": False, "prefer_speed": False, "train": False}
+# A training plan's choices (the optional MGPU Plan inputs, POST /mgpu/plan's fields): name -> (options, default)
+CHOICES = {"optimizer": (tuple(OPTIMIZER_STATES), "AdamW"), "gradient_checkpointing": (CHECKPOINTING, "auto")}
 MAX_DEVICE_SPEC = 200
 # Where an all-in-one checkpoint (LTX-Video's) keeps its VAE; MGPU Load VAE and the plan both look there.
 VAE_PREFIX_IN_CHECKPOINT = "vae."
@@ -77,6 +81,20 @@ class PlanRequest:
     devices: str = AUTO_DEVICES
     allow_offload: bool = False
     prefer_speed: bool = False
+    # train: plan one MGPU Train LoRA step (``mgpu.planning.training``) instead of sampling: the size is one dataset
+    # item's, batch the rows per step, no CFG
+    train: bool = False
+    lora_rank: int = 32
+    optimizer: str = "AdamW"
+    gradient_checkpointing: str = "auto"
+    grad_accumulation: int = 1
+    dataset: int = 1
+
+    def workload(self) -> Workload:
+        train = Training(lora_rank=self.lora_rank, optimizer=self.optimizer, checkpointing=self.gradient_checkpointing,
+                         grad_accumulation=self.grad_accumulation, dataset=self.dataset) if self.train else None
+        return Workload(width=self.width, height=self.height, frames=self.frames, batch=self.batch,
+                        cfg=self.cfg and not self.train, train=train)
 
 
 def check_name(role: str, name: object, listed: list[str]) -> str:
@@ -117,7 +135,7 @@ def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
     """Validate a POST /mgpu/plan body (JSON object); every problem is a BadRequest naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object such as {\"dit\": \"wan2.1_t2v_14B_bf16.safetensors\"}")
-    known = {*FOLDERS, "dit_weight_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS}
+    known = {*FOLDERS, "dit_weight_dtype", "devices", *INT_LIMITS, *BOOL_DEFAULTS, *CHOICES}
     if "dit_dtype" in body:
         raise BadRequest("dit_dtype is now called dit_weight_dtype, as on the MGPU Plan node")
     if unknown := sorted(set(body) - known):
@@ -135,10 +153,15 @@ def parse_plan_request(body: Any, list_files: ListFiles) -> PlanRequest:
     if not isinstance(devices, str) or len(devices) > MAX_DEVICE_SPEC:
         raise BadRequest(f"devices must be 'auto' or a device spec such as 2x24GiB (at most {MAX_DEVICE_SPEC} "
                          f"characters), got {str(devices)[:50]!r}")
+    choices = {}
+    for key, (options, default) in CHOICES.items():
+        choices[key] = body.get(key, default)
+        if choices[key] not in options:
+            raise BadRequest(f"{key} must be one of {', '.join(options)}, got {choices[key]!r}")
     return PlanRequest(dit=names["dit"], dit_low_noise=names["dit_low_noise"], text_encoder=names["text_encoder"],
                        vae=names["vae"],
                        **{k: _int(body, k) for k in INT_LIMITS}, **{k: _bool(body, k) for k in BOOL_DEFAULTS},
-                       dit_weight_dtype=dit_weight_dtype, devices=check_devices(devices))
+                       **choices, dit_weight_dtype=dit_weight_dtype, devices=check_devices(devices))
 
 
 def check_devices(spec: str) -> str:
@@ -187,8 +210,7 @@ def make_plan_for(request: PlanRequest, full_path: FullPath, live: Callable[[], 
                               "the node list (press r in the ComfyUI page), or pick another")
         dtype = None if role not in EXPERT_ROLES or request.dit_weight_dtype == "default" else request.dit_weight_dtype
         components.append(Component(role, component_size(role, path), dtype))
-    workload = Workload(width=request.width, height=request.height, frames=request.frames, batch=request.batch,
-                        cfg=request.cfg)
+    workload = request.workload()
     dits = [c.size.path for c in components if c.role in EXPERT_ROLES]   # their loaders replace the loaded copies
     devices = plan_devices(request, live or (lambda: available_devices(dits)))
     policy = Policy(allow_offload=request.allow_offload, prefer_speed=request.prefer_speed,

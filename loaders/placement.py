@@ -317,7 +317,7 @@ def plan_to_follow(role: str, path: str, choice: str, plan=None, *, weight_dtype
                      else _recast(placed.weight_dtype) if placed is not None else None)
         policy = replace(Policy(**plan.policy) if plan is not None else Policy(), implicit=True,
                          host_context_gpus=host_context_gpus(this_machine()), fsdp_devices=tuple(fsdp_devices))
-        workload = Workload(**plan.workload) if plan is not None else Workload()
+        workload = Workload.from_dict(plan.workload) if plan is not None else Workload()
         try:
             return make_plan([Component(role, mf.component_size(role, path), dtype)], this_machine(), workload,
                              policy)

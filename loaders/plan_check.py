@@ -74,6 +74,6 @@ def add_plan_check(patcher, size: ComponentSize, plan, label: str):
     """Register the check on ``patcher`` (a fresh MODEL from a loader) for the plan it was loaded with."""
     from comfy.patcher_extension import WrappersMP
 
-    workload = Workload(**plan.workload)
+    workload = Workload.from_dict(plan.workload)
     patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, PlanCheck(size, workload, label))
     return patcher

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
 import comfy.model_management as mm
@@ -96,6 +96,38 @@ class TrainSettings:
         if self.existing_lora != NO_LORA and not self.existing_lora.lower().endswith(".safetensors"):
             raise MgpuError(f"{NODE}: existing_lora {self.existing_lora!r} is not a .safetensors file; this pack "
                             "never unpickles a file: convert it to safetensors first")
+
+
+def follow_plan(plan, model, settings: TrainSettings) -> TrainSettings:
+    """``settings`` as a connected MGPU Plan made for training decides them: gradient checkpointing and the rows per
+    forward (its batch_size and grad_accumulation_steps keep the rows per optimizer step it was asked for). A plan
+    made for sampling is refused; one sized for another LoRA, or whose ranks the model was not loaded on, is
+    followed with a warning naming the difference."""
+    if plan is None:
+        return settings
+    if not plan.workload.get("train"):
+        raise MgpuError(f"{NODE}: the connected MGPU Plan was made for sampling: turn its train input on (with this "
+                        "node's LoRA rank and optimizer), or disconnect it")
+    placed = plan.expert(model.sharded.spec.checkpoint) or plan.placement("dit")   # Wan 2.2: this expert's
+    if placed is None or placed.training is None:
+        raise MgpuError(f"{NODE}: the connected MGPU Plan has no training step for a DiT: make it again with a dit "
+                        "and train on")
+    asked = plan.workload["train"]
+    if (asked["lora_rank"], asked["optimizer"]) != (settings.rank, settings.optimizer):
+        log.warning("%s: the MGPU Plan was sized for LoRA rank %d with %s; this node trains rank %d with %s: set "
+                    "the plan's lora_rank and optimizer to this node's", NODE, asked["lora_rank"], asked["optimizer"],
+                    settings.rank, settings.optimizer)
+    if model.rank_devices and list(model.rank_devices) != list(placed.devices):
+        log.warning("%s: the MGPU Plan shards the DiT over %s, but this MODEL's ranks are %s: connect the plan to "
+                    "MGPU Load Diffusion Model (device auto) too", NODE, ", ".join(placed.devices),
+                    ", ".join(model.rank_devices))
+    chosen = {"gradient_checkpointing": placed.training["gradient_checkpointing"],
+              "batch_size": placed.training["batch_size"],
+              "grad_accumulation_steps": placed.training["grad_accumulation_steps"]}
+    log.info("%s: following the MGPU Plan: %s (asked on this node: %s)", NODE,
+             ", ".join(f"{k} {v}" for k, v in chosen.items()),
+             ", ".join(f"{k} {getattr(settings, k)}" for k in chosen))
+    return replace(settings, **chosen)
 
 
 def dataset(latents: list[dict], positive: list) -> tuple[torch.Tensor, list, int]:
@@ -270,9 +302,10 @@ def _progress_text(text: str, node_id: str | None) -> None:
 
 
 def train(model, latents: list[dict], positive: list, settings: TrainSettings,
-          node_id: str | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
+          node_id: str | None = None, plan=None) -> tuple[dict[str, torch.Tensor], dict, int]:
     """Train a LoRA on the ranks of ``model`` (MGPU Load Diffusion Model on fsdp); returns core's outputs:
-    ``LORA_MODEL`` (keys as core names them), ``LOSS_MAP``, the steps."""
+    ``LORA_MODEL`` (keys as core names them), ``LOSS_MAP``, the steps. A connected training ``plan`` decides
+    checkpointing and the rows per forward (``follow_plan``)."""
     settings.check()
     if not isinstance(model, ShardedModelPatcher):
         raise MgpuError(f"{NODE}: this MODEL is not sharded over FSDP ranks: load it with MGPU Load Diffusion "
@@ -281,6 +314,7 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
     if network in NOT_TRAINABLE:
         raise MgpuError(f"{NODE}: this MODEL's network is ComfyUI's {network}, which cannot be trained: "
                         f"{NOT_TRAINABLE[network]}. Train a Wan 2.1 / 2.2 model")
+    settings = follow_plan(plan, model, settings)
     samples, conds, count = dataset(latents, positive)
     existing_weights, existing_steps = existing(settings.existing_lora)
     checkpoints = RunCheckpoints(NODE, settings.run_name, settings.checkpoint_every, settings.keep_checkpoints,

@@ -11,6 +11,7 @@ import sys
 
 from mgpu.errors import MgpuError, PlanError
 from mgpu.planning import examples
+from mgpu.planning.training import CHECKPOINTING, DTYPE_BYTES, OPTIMIZER_STATES
 
 
 def _add_devices_arg(p: argparse.ArgumentParser) -> None:
@@ -54,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-text-encoder", action="store_true",
                    help="keep the text encoder loaded while sampling (default: freed before sampling)")
     p.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    t = p.add_argument_group("training (MGPU Train LoRA)", "--train plans a LoRA training step instead of sampling: "
+                             "the size is one dataset item's, --batch the rows per step; no CFG")
+    t.add_argument("--train", action="store_true", help="plan training, not sampling")
+    t.add_argument("--lora-rank", type=int, default=32, help="the LoRA's rank (default 32)")
+    t.add_argument("--optimizer", default="AdamW", choices=list(OPTIMIZER_STATES))
+    t.add_argument("--checkpointing", default="auto", choices=list(CHECKPOINTING),
+                   help="gradient checkpointing; auto: off when it fits, else on (default)")
+    t.add_argument("--grad-accumulation", type=int, default=1, help="forwards per optimizer step (default 1)")
+    t.add_argument("--training-dtype", default="bf16", choices=list(DTYPE_BYTES))
+    t.add_argument("--lora-dtype", default="bf16", choices=list(DTYPE_BYTES))
+    t.add_argument("--dataset", type=int, default=1, help="latents in the dataset, held in host RAM (default 1)")
 
     p = sub.add_parser("demo", help="shard a small random Wan DiT over rank processes and compare with one device")
     from mgpu.demo import add_arguments
@@ -151,7 +163,15 @@ def _plan_files(args: argparse.Namespace) -> int:
     for c in components:  # a bad dtype is bad input: say so before reading any device
         weight_bytes(c.size, c.weight_dtype)
     devices = inventory(args.devices)
-    workload = Workload(width=args.width, height=args.height, frames=args.frames, batch=args.batch, cfg=args.cfg)
+    train = None
+    if args.train:
+        from mgpu.planning.training import Training
+
+        train = Training(lora_rank=args.lora_rank, optimizer=args.optimizer, checkpointing=args.checkpointing,
+                         training_dtype=args.training_dtype, lora_dtype=args.lora_dtype, dataset=args.dataset,
+                         grad_accumulation=args.grad_accumulation)
+    workload = Workload(width=args.width, height=args.height, frames=args.frames, batch=args.batch,
+                        cfg=args.cfg and not args.train, train=train)
     policy = Policy(reserve_bytes=parse_bytes(args.reserve), allow_offload=args.offload, prefer_speed=args.speed,
                     sequence_parallel=args.sequence_parallel,
                     free_text_encoder_before_sampling=not args.keep_text_encoder)

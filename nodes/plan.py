@@ -16,9 +16,9 @@ def _with_none(folder: str) -> list[str]:
     return [mf.NONE, *mf.folder_names(folder)]   # checkpoints' files too (all-in-one files: LTX-2)
 
 
-def _int(name: str, step: int, tooltip: str) -> io.Int.Input:
+def _int(name: str, step: int, tooltip: str, optional: bool = False) -> io.Int.Input:
     low, high, default = mf.INT_LIMITS[name]
-    return io.Int.Input(name, default=default, min=low, max=high, step=step, tooltip=tooltip)
+    return io.Int.Input(name, default=default, min=low, max=high, step=step, tooltip=tooltip, optional=optional)
 
 
 # The workload the plan was made for, as INT outputs for ComfyUI's own latent nodes (EmptyHunyuanLatentVideo,
@@ -73,6 +73,20 @@ class MgpuPlan(io.ComfyNode):
                                tooltip="Wan 2.2 A14B: the low-noise expert (dit is then the high-noise one). Both "
                                        "MGPU loaders connected to this plan follow its decision: both resident, "
                                        "or one at a time"),
+                # training (MGPU Train LoRA): optional and after the rest, for the same reason
+                io.Boolean.Input("train", default=False, optional=True,
+                                 tooltip="plan a LoRA training step (MGPU Train LoRA, connected to this plan) instead "
+                                         "of sampling: width, height and frames are one dataset item's, batch the "
+                                         "rows per step; cfg does not apply"),
+                _int("lora_rank", 1, "training: the LoRA's rank", optional=True),
+                io.Combo.Input("optimizer", options=list(mf.CHOICES["optimizer"][0]),
+                               default=mf.CHOICES["optimizer"][1], optional=True,
+                               tooltip="training: the optimizer (its state is held on every rank)"),
+                io.Combo.Input("gradient_checkpointing", options=list(mf.CHOICES["gradient_checkpointing"][0]),
+                               default=mf.CHOICES["gradient_checkpointing"][1], optional=True,
+                               tooltip="training: auto turns it off when the step fits without it (faster), else on"),
+                _int("grad_accumulation", 1, "training: forwards per optimizer step", optional=True),
+                _int("dataset", 1, "training: latents in the dataset (held in host RAM)", optional=True),
             ],
             # plan first and the sizes after it, so saved workflows wired to the plan still connect; wire the sizes
             # into the latent node (width, height, length or frames_number, batch_size) to type them only here
@@ -96,13 +110,16 @@ class MgpuPlan(io.ComfyNode):
     @classmethod
     def execute(cls, dit: str, text_encoder: str, vae: str, width: int, height: int, frames: int, batch: int,
                 cfg: bool, dit_weight_dtype: str, devices: str, allow_offload: bool,
-                prefer_speed: bool, dit_low_noise: str = mf.NONE) -> io.NodeOutput:
+                prefer_speed: bool, dit_low_noise: str = mf.NONE, train: bool = False, lora_rank: int = 32,
+                optimizer: str = "AdamW", gradient_checkpointing: str = "auto", grad_accumulation: int = 1,
+                dataset: int = 1) -> io.NodeOutput:
         request = mf.PlanRequest(
             dit=dit, dit_low_noise=None if dit_low_noise in (None, mf.NONE) else dit_low_noise,
             text_encoder=None if text_encoder == mf.NONE else text_encoder,
             vae=None if vae == mf.NONE else vae, width=width, height=height, frames=frames, batch=batch, cfg=cfg,
             dit_weight_dtype=dit_weight_dtype, devices=mf.check_devices(devices), allow_offload=allow_offload,
-            prefer_speed=prefer_speed)
+            prefer_speed=prefer_speed, train=train, lora_rank=lora_rank, optimizer=optimizer,
+            gradient_checkpointing=gradient_checkpointing, grad_accumulation=grad_accumulation, dataset=dataset)
         try:
             plan = mf.make_plan_for(request, mf.comfy_folders()[1])
         except PlanError as exc:

@@ -6,6 +6,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..loaders import training
+from .plan import PlanType
 
 
 class MgpuTrainLoRA(io.ComfyNode):
@@ -57,6 +58,10 @@ class MgpuTrainLoRA(io.ComfyNode):
                 io.Float.Input("timestep_end", default=1.0, min=0.0, max=1.0, step=0.001, optional=True,
                                tooltip="... to (1: the cleanest); Wan 2.2 A14B: the high-noise expert 0 to its "
                                        "boundary, the low-noise expert from there to 1"),
+                PlanType.Input("plan", optional=True,
+                               tooltip="an MGPU Plan made with train on: its gradient checkpointing and rows per "
+                                       "forward replace batch_size, grad_accumulation_steps and "
+                                       "gradient_checkpointing here (the rows per optimizer step it was asked for)"),
             ],
             outputs=[
                 io.Custom("LORA_MODEL").Output(display_name="lora"),
@@ -70,7 +75,7 @@ class MgpuTrainLoRA(io.ComfyNode):
     def execute(cls, model, latents, positive, batch_size, grad_accumulation_steps, steps, learning_rate, rank,
                 optimizer, loss_function, seed, training_dtype, lora_dtype, algorithm, gradient_checkpointing,
                 existing_lora, run_name=None, checkpoint_every=None, keep_checkpoints=None, resume=None,
-                timestep_start=None, timestep_end=None) -> io.NodeOutput:
+                timestep_start=None, timestep_end=None, plan=None) -> io.NodeOutput:
         defaults = training.TrainSettings
         settings = training.TrainSettings(
             batch_size=batch_size[0], grad_accumulation_steps=grad_accumulation_steps[0], steps=steps[0],
@@ -81,5 +86,6 @@ class MgpuTrainLoRA(io.ComfyNode):
             checkpoint_every=(checkpoint_every or [defaults.checkpoint_every])[0],
             keep_checkpoints=(keep_checkpoints or [defaults.keep_checkpoints])[0], resume=(resume or [False])[0],
             timestep_start=(timestep_start or [0.0])[0], timestep_end=(timestep_end or [1.0])[0])
-        lora, loss_map, total = training.train(model[0], latents, positive, settings, node_id=cls.hidden.unique_id)
+        lora, loss_map, total = training.train(model[0], latents, positive, settings, node_id=cls.hidden.unique_id,
+                                               plan=(plan or [None])[0])
         return io.NodeOutput(lora, loss_map, total)

@@ -225,3 +225,8 @@ def test_train_bench_measures_a_training_step_over_two_ranks(tmp_path):
         assert c["checkpoint_bytes"] >= 3 * c["adapter_bytes"] > 0 and c["load_seconds"] > 0, c
     small, large = (c["adapter_bytes"] for c in r["checkpoints"])
     assert 3 * small < large < 4 * small   # the factors grow with the rank, the bias differences do not
+    # the plan's working memory per rank covers each measured step, and not by more than the calibration's margin
+    # (the safety factor and the rounded-up coefficients: 1.14-1.35x at this size, 1.27-1.41x at the default one)
+    assert set(r["plan_over_measured"]) == {"one_rank", "two_ranks_resharded", "two_ranks_resharded_no_checkpointing"}
+    for run, ratio in r["plan_over_measured"].items():
+        assert 1.0 <= ratio <= 1.8, (run, ratio, r["planned_working"][run])

@@ -267,6 +267,23 @@ def test_plan_example_plans_full_size_models_without_their_files(tmp_path, name,
     assert plan.workload["frames"] == 33 and plan.workload["width"] == 1280
 
 
+def test_plan_train_sizes_a_lora_step_and_says_what_fits(tmp_path):
+    """README's training plans: Wan 2.1 14B fp8, LoRA rank 32, 480p x 81 on 2 x 24 GiB is refused (exit 3) with
+    the frames that fit; at those frames the plan shards over both GPUs with checkpointing on and says why."""
+    args = ("plan", "--example", "wan2.1-14b", "--train", "--width", "832", "--height", "480")
+    r = mgpu(*args, "--frames", "81", env={"TMPDIR": str(tmp_path)})
+    assert r.returncode == 3 and "a smaller LoRA rank than 32" in r.stderr, r.stderr
+    frames = r.stderr.split("up to ")[1].split(" at 832x480")[0]
+    r = mgpu(*args, "--frames", frames, "--json")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.from_json(r.stdout)
+    dit = plan.placement("dit")
+    assert dit.devices == ["cuda:0", "cuda:1"] and dit.training["gradient_checkpointing"] is True
+    assert plan.workload["train"]["lora_rank"] == 32 and plan.workload["frames"] == int(frames)
+    r = mgpu("plan", "--example", "ltx2-19b", "--train")
+    assert r.returncode == 2 and "MGPU Train LoRA trains Wan DiTs" in r.stderr, r.stderr
+
+
 def test_plan_without_files_or_example_says_what_to_give():
     for args, says in ((("plan",), "give the DiT with --dit FILE, or plan an example with --example"),
                        (("plan", "--example", "sd15"), "--example 'sd15' is not an example; pick one of wan2.1-14b")):

@@ -18,9 +18,9 @@ BASE = {"batch_size": 2, "steps": 4, "learning_rate": 0.001, "rank": 4, "optimiz
 
 
 def train_both(tmp_path: Path, ranks: int, rows: int = 2, file_dtype: str = "float32", heads: int = 1,
-               **changes) -> dict:
+               plan: dict | None = None, **changes) -> dict:
     return run_checks("training_checks", "check_train_equals_core", str(tmp_path), ranks, {**BASE, **changes}, rows,
-                      1, file_dtype, heads, timeout=900)
+                      1, file_dtype, heads, plan, timeout=900)
 
 
 def assert_core_lora(facts: dict, tolerance: float, loss_tolerance: float = 1e-5) -> None:
@@ -47,15 +47,20 @@ def test_two_ranks_train_cores_lora_in_fp32(tmp_path: Path) -> None:
     assert facts["lora_sample_diff"] <= 1e-5 * max(1.0, facts["lora_moves_sample"])
 
 
-def test_three_ranks_with_checkpointing_and_accumulation_train_cores_lora(tmp_path: Path) -> None:
-    """3 ranks for 2 rows (one rank runs an empty share and still joins the collectives), gradient checkpointing on,
-    2 micro steps per optimizer step, Huber loss, AdamW: still core's LoRA. AdamW divides each gradient by its own
-    running magnitude, so gradients that differ from core's by float rounding (2e-7 relative at the first step,
-    measured) move near-zero elements by up to the learning rate: the bound is 5e-4 (measured 1e-4), the losses
-    still agree to 1e-5."""
-    facts = train_both(tmp_path, 3, gradient_checkpointing=True, grad_accumulation_steps=2, steps=2,
+def test_three_ranks_with_checkpointing_and_accumulation_from_the_plan_train_cores_lora(tmp_path: Path) -> None:
+    """3 ranks for 2 rows (one rank runs an empty share and still joins the collectives), Huber loss, AdamW, and an
+    MGPU Plan connected, made for gradient checkpointing on and 2 micro steps per optimizer step: the node follows
+    it over its own inputs (checkpointing off, no accumulation) and ends with core's LoRA for the plan's settings,
+    which it cannot without following (the accumulation halves each micro step's share). AdamW divides each gradient
+    by its own running magnitude, so gradients that differ from core's by float rounding (2e-7 relative at the first
+    step, measured) move near-zero elements by up to the learning rate: the bound is 5e-4 (measured 1e-4), the
+    losses still agree to 1e-5. The plan counts the trained parameters ComfyUI's Train LoRA makes, from the header."""
+    facts = train_both(tmp_path, 3, plan={"checkpointing": "on", "grad_accumulation": 2}, steps=2,
                        loss_function="Huber", seed=7)
+    assert facts["core_settings"]["gradient_checkpointing"] and facts["core_settings"]["grad_accumulation_steps"] == 2
+    assert len(facts["followed"]) == 1 and "gradient_checkpointing True" in facts["followed"][0], facts["followed"]
     assert_core_lora(facts, 5e-4)
+    assert facts["planned_adapter_params"] == facts["comfyui_adapter_params"] > 0
 
 
 def test_a_bf16_base_trains_cores_lora_within_bf16s_rounding(tmp_path: Path) -> None:

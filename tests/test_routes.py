@@ -7,6 +7,7 @@ Live tier (real ComfyUI, skipped without one): the routes as a browser calls the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,10 @@ def test_names_are_checked_against_their_own_folder():
     ({"devices": 2}, "devices must be 'auto' or a device spec"),
     ({"devices": "1x24GiB," * 40}, "at most 200 characters"),
     ({"steps": 20}, "unknown field(s) steps"),
+    ({"train": "yes"}, "train must be true or false"),
+    ({"lora_rank": 0}, "lora_rank must be from 1 to 128"),
+    ({"optimizer": "Lion"}, "optimizer must be one of AdamW, Adam, RMSprop, SGD, got 'Lion'"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing must be one of auto, on, off"),
 ])
 def test_bad_values_name_the_field(fields, message):
     with pytest.raises(mf.BadRequest) as info:
@@ -131,6 +136,32 @@ def test_make_plan_for_sizes_the_named_files(model_dir):
     auto = mf.make_plan_for(mf.PlanRequest(dit="wan14b.safetensors", dit_weight_dtype="fp8_e4m3fn"), full_path,
                             live=lambda: parse_spec("1x80GiB,cpu=64GiB"))
     assert auto.placement("dit").devices == ["cuda:0"]
+
+
+def test_a_training_request_plans_one_train_lora_step(model_dir):
+    """train plans MGPU Train LoRA's step: no CFG whatever cfg says, the training fields in the plan's workload,
+    the DiT's training choices; the same request without train plans sampling."""
+    def full_path(folder, name):
+        return str(model_dir / name) if (model_dir / name).exists() else None
+
+    fields = body(dit="wan14b.safetensors", width=512, height=512, frames=17, dit_weight_dtype="fp8_e4m3fn",
+                  devices="2x24GiB,cpu=64GiB", train=True, lora_rank=16, optimizer="SGD",
+                  gradient_checkpointing="on", grad_accumulation=2, dataset=40)
+    LISTED["diffusion_models"].append("wan14b.safetensors")
+    try:
+        req = mf.parse_plan_request(fields, listing)
+    finally:
+        LISTED["diffusion_models"].remove("wan14b.safetensors")
+    assert (req.train, req.lora_rank, req.optimizer, req.gradient_checkpointing, req.dataset) == (
+        True, 16, "SGD", "on", 40)
+    plan = mf.make_plan_for(req, full_path)
+    assert plan.workload["cfg"] is False and plan.workload["train"] == {
+        "lora_rank": 16, "optimizer": "SGD", "checkpointing": "on", "training_dtype": "bf16", "lora_dtype": "bf16",
+        "dataset": 40, "grad_accumulation": 2}
+    dit = plan.placement("dit")
+    assert dit.training["gradient_checkpointing"] and dit.training["grad_accumulation_steps"] == 2
+    sampling = mf.make_plan_for(replace(req, train=False), full_path)
+    assert sampling.workload["train"] is None and sampling.placement("dit").training is None
 
 
 def test_the_vae_of_an_all_in_one_checkpoint_is_sized_not_its_dit(tmp_path):
@@ -204,6 +235,13 @@ def test_plan_route_plans_listed_files(server: ComfyServer):
     plan = Plan.from_dict(got["plan"])
     assert [u.device for u in plan.usage] == ["cuda:0", "cuda:1", "cpu"]
     assert plan.placement("vae").file.endswith(VAE) and got["table"] == plan.table()
+    status, got = server._request("POST", "/mgpu/plan", {"dit": WAN, "width": 64, "height": 64, "frames": 5,
+                                                          "devices": "2x24GiB,cpu=64GiB", "train": True,
+                                                          "lora_rank": 8})
+    assert status == 200, got
+    trained = Plan.from_dict(got["plan"]).placement("dit")
+    assert trained.strategy == "fsdp" and trained.training["gradient_checkpointing"] is False, got["table"]
+    assert "LoRA rank 8" in got["table"]
 
 
 @pytest.mark.comfyui

@@ -67,28 +67,56 @@ def _core_train(model, latent: dict, conds: list, settings: dict) -> tuple[dict,
     return lora, loss["loss"]
 
 
+def _training_plan(path: Path, latent: dict, settings: dict, ranks: int, asked: dict):
+    """An MGPU Plan of this training step (``asked``: its Training fields) over ``ranks`` cpu ranks, made from the
+    file's header as MGPU Plan makes it, and the settings it has the node train with."""
+    from mgpu.planning.devices import inventory
+    from mgpu.planning.estimates import Workload
+    from mgpu.planning.partition import Component, Policy, make_plan
+    from mgpu.planning.sizing import size_component
+    from mgpu.planning.training import Training
+
+    t, h, w = latent["samples"].shape[2:]   # Wan's VAE: 4 frames and 8 pixels a latent step
+    train = Training(lora_rank=settings["rank"], optimizer=settings["optimizer"],
+                     training_dtype=settings["training_dtype"], lora_dtype=settings["lora_dtype"], **asked)
+    wl = Workload(width=w * 8, height=h * 8, frames=(t - 1) * 4 + 1, batch=settings["batch_size"], cfg=False,
+                  train=train)
+    plan = make_plan([Component("dit", size_component(str(path)))], inventory("cpu=64GiB"), wl,
+                     Policy(fsdp_devices=("cpu",) * ranks))
+    chosen = plan.placement("dit").training
+    return plan, {**settings, **{k: chosen[k] for k in ("gradient_checkpointing", "batch_size",
+                                                         "grad_accumulation_steps")}}
+
+
 def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int = 2, captions: int = 1,
-                            file_dtype: str = "float32", heads: int = 1) -> dict:
-    """The same LoRA from core Train LoRA (one device) and MGPU Train LoRA (``ranks`` fsdp cpu ranks)."""
+                            file_dtype: str = "float32", heads: int = 1, plan: dict | None = None) -> dict:
+    """The same LoRA from core Train LoRA (one device) and MGPU Train LoRA (``ranks`` fsdp cpu ranks). ``plan``:
+    MGPU Train LoRA follows an MGPU Plan made with these Training fields (core trains with what the plan chose)."""
     import comfy.sd
     import folder_paths
 
     from loaders import diffusion, training
+    from mgpu.planning.sizing import size_component
+    from mgpu.planning.training import adapter_params
 
     name, path = _write_wan(Path(folder), file_dtype, heads)
     folder_paths.add_model_folder_path("diffusion_models", folder)
     latent, conds = _data(rows, captions=captions)
-    core_lora, core_loss = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
+    the_plan, core_settings = _training_plan(path, latent, settings, ranks, plan) if plan else (None, settings)
+    core_lora, core_loss = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, core_settings)
     threads = torch.get_num_threads()   # core against itself with another thread count: the float noise floor
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        core_again, _ = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, settings)
+        core_again, _ = _core_train(comfy.sd.load_diffusion_model(str(path)), latent, conds, core_settings)
     finally:
         torch.set_num_threads(threads)
 
     sharded = diffusion.load(name, "default", "fsdp", ranks)
     before = _sample_once(sharded)
-    ours, loss_map, steps = training.train(sharded, [latent], [conds], training.TrainSettings(**settings))
+    with _logged("mgpu") as logged:
+        ours, loss_map, steps = training.train(sharded, [latent], [conds], training.TrainSettings(**settings),
+                                               plan=the_plan)
+    _, first, _ = training.first_adapters(sharded.model, training.TrainSettings(**settings), {})
     split = sharded.sharded.split   # (batch groups, sequence degree) of the last network call
     after = _sample_once(sharded)   # the model samples as before the run: the adapters came off the ranks
     misfit = {"diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(7, 4),
@@ -118,7 +146,30 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
             "core_loss": core_loss, "loss": loss_map["loss"], "steps": steps, "down_max": moved, "split": split,
             "unchanged_after_run": torch.equal(before, after), "misfit_refused": refused,
             "lora_sample_diff": (with_lora[0] - with_lora[1]).abs().max().item(),
-            "lora_moves_sample": (with_lora[1] - _sample_once(one_device)).abs().max().item()}
+            "lora_moves_sample": (with_lora[1] - _sample_once(one_device)).abs().max().item(),
+            "comfyui_adapter_params": sum(v.numel() for k, v in first.items() if not k.endswith(".alpha")),
+            "planned_adapter_params": adapter_params(size_component(str(path)), settings["rank"]),
+            "followed": [line for line in logged if "following the MGPU Plan" in line],
+            "core_settings": core_settings}
+
+
+@contextlib.contextmanager
+def _logged(name: str):
+    """The messages of logger ``name`` (INFO and up) while the block runs."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _with_lora(model, lora: dict):

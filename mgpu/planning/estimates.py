@@ -37,9 +37,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mgpu.errors import SizingError
 from mgpu.planning.sizing import ComponentSize, gguf_types
+
+if TYPE_CHECKING:
+    from mgpu.planning.training import Training
 
 MiB = 1024**2
 GiB = 1024**3
@@ -94,21 +98,32 @@ WEIGHT_ITEMSIZE = {
 
 @dataclass(frozen=True)
 class Workload:
-    """One generation: output size in pixels and frames, videos per prompt, and whether CFG doubles the batch."""
+    """One generation: output size in pixels and frames, videos per prompt, and whether CFG doubles the batch. Or,
+    with ``train``, one LoRA training step (MGPU Train LoRA): the size is one dataset item's, ``batch`` the rows of
+    each step (the node's batch_size), and there is no CFG."""
     width: int = 832
     height: int = 480
     frames: int = 81
     batch: int = 1
     cfg: bool = True
+    train: Training | None = None
 
     def __post_init__(self):
         if min(self.width, self.height, self.frames, self.batch) < 1:
             raise SizingError(f"Workload {self}: width, height, frames and batch must all be >= 1.")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Workload:
+        """A workload as a plan keeps it (``Plan.workload``, ``asdict``): its training part back as ``Training``."""
+        from mgpu.planning.training import Training
+
+        train = d.get("train")
+        return cls(**{**d, "train": Training(**train) if train else None})
+
     @property
     def dit_batch(self) -> int:
-        """ComfyUI runs cond and uncond as one batch of 2 when CFG > 1 (if it fits)."""
-        return self.batch * (2 if self.cfg else 1)
+        """ComfyUI runs cond and uncond as one batch of 2 when CFG > 1 (if it fits); a training step runs its rows."""
+        return self.batch * (2 if self.cfg and self.train is None else 1)
 
 
 def _dims(size: ComponentSize, kind: str, *names: str) -> list[int]:

@@ -23,6 +23,10 @@ Memory model (every number is an estimate from `mgpu.planning.estimates`, and th
   allocator growth) and, on the GPUs of ``Policy.host_context_gpus``, the ComfyUI process's own CUDA context, which
   it keeps in every phase; the host's is its available RAM minus ``Policy.host_reserve_bytes``. No plan exceeds a
   budget.
+* A training plan (``Workload.train``: MGPU Train LoRA's step) places the DiT on FSDP ranks only, every GPU first,
+  and takes the first of the step's ways that fits (``training.step_options``: without gradient checkpointing, then
+  with it, then fewer rows per forward with more accumulation); its working memory is ``training``'s, its dataset
+  sits in host RAM. A refusal names the most frames that fit.
 * Working memory follows the budget rule of ``mgpu.planning.estimates``: where ComfyUI runs a component (single-device DiT,
   text encoder, untiled VAE decode) the larger of our calibrated estimate and ComfyUI's own reservation, since
   ComfyUI otherwise loads the weights only partly; on FSDP ranks our estimate plus FSDP2's all-gather buffers and
@@ -57,6 +61,8 @@ from mgpu.planning.estimates import (
 )
 from mgpu.planning import parallel
 from mgpu.planning.sizing import ComponentSize, text_encoder_for
+from mgpu.planning.training import (adapter_params, adapter_state_bytes, dataset_bytes, step_options,
+                                    training_working_bytes)
 
 ROLES = ("text_encoder", "dit", "dit_low_noise", "vae")
 PHASES = ("encode", "sample", "decode")
@@ -153,6 +159,9 @@ class Placement:
     # libraries, NCCL communicators); on the first expert of two, which share the ranks
     process_bytes: dict[str, int] = field(default_factory=dict)
     rank_need: RankNeed | None = None  # FSDP only: what one rank holds (``rank_need``), for a loader to weigh
+    # A training plan's DiT only: what MGPU Train LoRA follows (gradient_checkpointing, batch_size,
+    # grad_accumulation_steps) and the adapter's trained parameters
+    training: dict | None = None
 
 
 @dataclass
@@ -323,9 +332,11 @@ def rank_need(comp: Component, group: list[Device], wl: Workload, policy: Policy
     Shard: 1/N of the weights (dim-0 shards, rounded up) plus the bytes outside the blocks, which the root FSDP unit
     keeps gathered for the whole forward. Working: the activations of this rank's rows (CFG/batch split) and tokens
     (sequence split) for ``wl``, with no ComfyUI reservation (ComfyUI cannot see the ranks), plus FSDP2's all-gather
-    buffers in the storage dtype (NCCL gathers fp8 as fp8). Kept: the whole model gathered (GGUF dequantized,
-    ``estimates.gathered_size``). Process: the rank process's own memory for the sequence degrees the load sets up
-    (``sequence_degree``), with NVLS buffers on an NVSwitch machine; cpu ranks (gloo) keep none of it.
+    buffers in the storage dtype (NCCL gathers fp8 as fp8); for a training step (``wl.train``, its checkpointing
+    decided) its forward and backward and the adapter state (``training.training_working_bytes``). Kept: the whole
+    model gathered (GGUF dequantized, ``estimates.gathered_size``). Process: the rank process's own memory for the
+    sequence degrees the load sets up (``sequence_degree``), with NVLS buffers on an NVSwitch machine; cpu ranks
+    (gloo) keep none of it.
     """
     policy = policy or Policy()
     size, ranks = comp.size, len(group)
@@ -335,8 +346,11 @@ def rank_need(comp: Component, group: list[Device], wl: Workload, policy: Policy
     shard = math.ceil(wbytes / ranks) + int(size.bytes_outside_blocks * scale)
     buffers = fsdp_buffer_bytes(size, gather_itemsize=weight_itemsize(size, comp.weight_dtype),
                                 gathered_blocks=policy.gathered_blocks)
-    working = dit_working_bytes(size, wl, batch=math.ceil(wl.dit_batch / degrees.cfg), comfyui=False,
-                                sp=degrees.sp) + buffers
+    rows = math.ceil(wl.dit_batch / degrees.cfg)
+    if wl.train is not None:
+        working = training_working_bytes(size, wl, rows=rows, sp=degrees.sp) + buffers
+    else:
+        working = dit_working_bytes(size, wl, batch=rows, comfyui=False, sp=degrees.sp) + buffers
     process = 0
     if group and group[0].kind == "cuda":
         process = rank_process_bytes(ranks, size.dims.get("heads"), sequence_degree(comp, wl, ranks, policy),
@@ -469,32 +483,39 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
 
     def fsdp(group: list[Device], why: str, forced: bool = False) -> list[Placement] | None:
         """Sharded over ``group`` (one Device per rank), committed if it fits; ``forced`` (the loader's device
-        fsdp, ``Policy.fsdp_devices``): committed even when it does not, and said."""
-        degrees = _degrees(comp, wl, len(group), policy)   # two experts share one architecture
-        needs = [rank_need(c, group, wl, policy) for c in experts]
-        working, batch = max(n.working for n in needs), math.ceil(wl.dit_batch / degrees.cfg)
-        process = needs[0].process   # once: the experts share the rank processes
-        sp_setup = sequence_degree(comp, wl, len(group), policy)
-        work = _per_device(group, working)
+        fsdp, ``Policy.fsdp_devices``): committed even when it does not, and said. A training step takes the first
+        of its ways (``training.step_options``: checkpointing, rows per forward) that fits."""
+        options = step_options(wl) if wl.train is not None else [wl]
+        tried: list[tuple[Workload, int, int]] = []   # the ways that did not fit: rows per rank, bytes per rank
+        for run in options:
+            degrees = _degrees(comp, run, len(group), policy)   # two experts share one architecture
+            needs = [rank_need(c, group, run, policy) for c in experts]
+            working, batch = max(n.working for n in needs), math.ceil(run.dit_batch / degrees.cfg)
+            process = needs[0].process   # once: the experts share the rank processes
+            work = _per_device(group, working)
+
+            def per_expert(keep: bool) -> list[int]:
+                return [n.resident(keep) for n in needs]
+
+            # Keeping every block gathered between steps saves one all-gather of the whole model per step (on cpu
+            # ranks a Wan 1.3B step took ~50 s with it, ~1 s without); it costs the full weights on every rank (of
+            # each resident expert), so it is chosen only when that fits too.
+            reshard = not ledger.fits(_need("dit", "fsdp", policy,
+                                            _per_device(group, held(per_expert(True)) + process), work))
+            resident = held(per_expert(not reshard))
+            need = _need("dit", "fsdp", policy, _per_device(group, resident + process), work)
+            if fits := ledger.fits(need):
+                break
+            tried.append((run, batch, resident + process + working))
+        sp_setup = sequence_degree(comp, run, len(group), policy)
         budget = min(ledger.free(dev) // k for dev, k in Counter(d.id for d in group).items())
-
-        def per_expert(keep: bool) -> list[int]:
-            return [n.resident(keep) for n in needs]
-
-        # Keeping every block gathered between steps saves one all-gather of the whole model per step (on cpu ranks
-        # a Wan 1.3B step took ~50 s with it, ~1 s without); it costs the full weights on every rank (of each
-        # resident expert), so it is chosen only when that fits too.
-        reshard = not ledger.fits(_need("dit", "fsdp", policy, _per_device(group, held(per_expert(True)) + process),
-                                        work))
-        resident = held(per_expert(not reshard))
-        need = _need("dit", "fsdp", policy, _per_device(group, resident + process), work)
-        fits = ledger.fits(need)
         if not fits:
             shard = ("shard" if mode is None else "of shards")
             short = (f"{noun} sharded over {len(group)} {'GPUs' if group[0].kind == 'cuda' else 'cpu ranks'} needs "
                      f"{format_bytes(resident + process + working)} per rank ({format_bytes(resident)} {shard} "
-                     f"+ {format_bytes(process)} rank process + {format_bytes(working)} working, batch {batch} "
-                     "per rank" + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
+                     f"+ {format_bytes(process)} rank process + {format_bytes(working)} working, "
+                     + (_train_short(run, batch) if run.train else f"batch {batch} per rank")
+                     + (f", 1/{degrees.sp} of the tokens" if degrees.sp > 1 else "")
                      + f"); smallest budget is {format_bytes(budget)}")
             if not forced:
                 attempts.append(short)
@@ -503,7 +524,7 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
                              ONE_AT_A_TIME: "DiT shard (1 expert at a time)"}[mode])
         if size.dims.get("hidden") and size.dims.get("layers"):
             parallel.estimate(degrees, group, params=size.params, weight_bytes=wbytes[0],
-                              tokens=dit_tokens(size, wl), rows=wl.dit_batch, hidden=size.dims["hidden"],
+                              tokens=dit_tokens(size, run), rows=run.dit_batch, hidden=size.dims["hidden"],
                               layers=size.dims["layers"], resharding=reshard,
                               kv_gather_width=size.dims.get("audio_hidden", 0))   # LTX-2's audio queries
         n = len(group)
@@ -514,8 +535,11 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
                    f"({format_bytes(math.ceil(wbytes[0] / n))}) "
                    f"plus {policy.gathered_blocks} gathered blocks and an all-gather buffer while computing",
                    _process_reason(comp, group, sp_setup, process),
-                   f"split of each step: {degrees.cfg} (CFG/batch) x {degrees.sp} (sequence) over {n} ranks",
+                   f"split of each step: {degrees.cfg} ({'batch' if run.train else 'CFG/batch'}) x {degrees.sp} "
+                   f"(sequence) over {n} ranks",
                    *degrees.reasons, *(f"warning: {w}" for w in degrees.warnings)]
+        if run.train is not None:
+            reasons += _train_reasons(size, wl, run, tried if fits else tried[:-1], batch)
         if sp_setup != degrees.sp:
             reasons.append(f"sequence degrees up to {sp_setup} set up on the ranks, which pick each step's split for "
                            "its rows: this plan's workload is a guess")
@@ -536,6 +560,10 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         placed[0].process_bytes = _per_device(group, process)
         for p, nd in zip(placed, needs):
             p.rank_need = nd
+            if run.train is not None:
+                p.training = {"gradient_checkpointing": run.train.checkpointing == "on", "batch_size": run.batch,
+                              "grad_accumulation_steps": run.train.grad_accumulation,
+                              "adapter_params": adapter_params(size, run.train.lora_rank)}
         return placed
 
     if policy.fsdp_devices:   # the loader's device fsdp: exactly these ranks
@@ -546,6 +574,8 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         return fsdp(group, f"device fsdp on the loader: sharded over {', '.join(policy.fsdp_devices)}"
                     if group[0].kind == "cuda" else f"no GPU: sharded over {len(group)} cpu ranks (gloo; correct but "
                     "slow)", forced=True)
+    if wl.train is not None:   # MGPU Train LoRA trains a sharded MODEL: FSDP ranks only
+        return _train_ladder(gpus, host, by_budget, on_gpus, fsdp)
     if not on_gpus and gguf:   # no offload or one-process CPU run of a GGUF file: our cpu ranks shard it
         return fsdp([host], GGUF_SHARDED.format(k="cpu")) if host is not None and not gpus else None
     if not on_gpus:
@@ -593,6 +623,56 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         if placed:
             return placed
     return None
+
+
+def _train_ladder(gpus: list[Device], host: Device | None, by_budget: list[Device], on_gpus: bool,
+                  fsdp) -> list[Placement] | None:
+    """A training step's ranks: every GPU first (each rank trains on its share of the rows or tokens, so every GPU
+    adds speed), then fewer, those with the most room (the smallest member of a group bounds every shard); with no
+    GPU, one cpu rank."""
+    if not on_gpus:
+        return fsdp([host], "no GPU: trained over one cpu rank (gloo; correct but slow)") if host and not gpus else None
+    if not gpus:
+        return None
+    placed = fsdp(sorted(gpus, key=lambda d: d.index),
+                  f"training: sharded over all {len(gpus)} GPU{'s' if len(gpus) > 1 else ''} (every rank trains on its "
+                  "share of each step's rows, or of its tokens)")
+    for k in range(len(gpus) - 1, 0, -1):
+        if placed:
+            break
+        placed = fsdp(sorted(by_budget[:k], key=lambda d: d.index),
+                      f"training: sharded over the {k} GPUs with the most room (on all {len(gpus)}, the smallest "
+                      "bounds every shard and it does not fit)")
+    return placed
+
+
+def _train_short(run: Workload, batch: int) -> str:
+    return (f"{batch} row{'s' if batch > 1 else ''} per rank per forward, gradient checkpointing "
+            f"{run.train.checkpointing}")
+
+
+def _train_reasons(size: ComponentSize, asked: Workload, run: Workload, tried: list[tuple[Workload, int, int]],
+                   batch: int) -> list[str]:
+    """The training step the plan chose and why: what did not fit first, the adapter state on every rank."""
+    train = run.train
+    total = asked.batch * asked.train.grad_accumulation
+    reasons = [f"training step: {run.batch} row{'s' if run.batch > 1 else ''} per forward ({batch} per rank), "
+               f"gradient checkpointing {train.checkpointing}, {train.grad_accumulation} forward"
+               f"{'s' if train.grad_accumulation > 1 else ''} per optimizer step ({total} row{'s' if total > 1 else ''}"
+               ", as asked)"]
+    reasons += [f"tried first: {_train_short(w, rows)}, {format_bytes(n)} per rank: does not fit"
+                for w, rows, n in tried]
+    if train.checkpointing == "on":
+        reasons.append("gradient checkpointing: each block keeps only its input and is recomputed in the backward "
+                       "(gathered again: about a third more compute per step)")
+    elif asked.train.checkpointing == "auto":
+        reasons.append("no gradient checkpointing: every block's activations fit until the backward, so nothing "
+                       "is recomputed")
+    params = adapter_params(size, train.lora_rank)
+    reasons.append(f"LoRA rank {train.lora_rank}: {params:,} trained parameters, whole on every rank with their "
+                   f"gradients and the {train.optimizer} state ({format_bytes(adapter_state_bytes(size, train))} per "
+                   "rank); only their gradients travel, summed once per optimizer step")
+    return reasons
 
 
 def _dit_on_host(experts: list[Component], mode: str | None, gpus: list[Device], host: Device | None,
@@ -898,9 +978,24 @@ def _place_text_encoder(comp: Component, gpus: list[Device], host: Device | None
 
 
 def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, wl: Workload,
-              role: str = "dit") -> list[str]:
-    ways = []
+              role: str = "dit", fit_frames: int | None = None) -> list[str]:
     dit = next((c for c in components if c.role == "dit"), None)
+    low_bit = dit is not None and (dit.size.gguf or (dit.weight_dtype or "").lower() in ("fp8_e4m3fn", "fp8_e5m2")
+                                   or weight_itemsize(dit.size, dit.weight_dtype) == 1)
+    if wl.train is not None and role == "dit":
+        train = wl.train
+        frames = (f"train on fewer frames (up to {fit_frames} at {wl.width}x{wl.height} fit these devices as they "
+                  "are) or a smaller size" if fit_frames else
+                  f"train on fewer frames or a smaller size than {wl.frames} x {wl.width}x{wl.height}")
+        return [*(["turn gradient checkpointing on"] if train.checkpointing == "off" else []),
+                frames,
+                *([f"a smaller LoRA rank than {train.lora_rank}"] if train.lora_rank > 4 else []),
+                *(["fewer rows per step (batch_size; more grad_accumulation_steps keeps the rows per optimizer "
+                   "step)"] if wl.batch > 1 else []),
+                *([] if low_bit else ["an fp8 base (weight dtype fp8_e4m3fn) or a GGUF file (Q8_0, Q4_K: sharded "
+                                      "as stored)"]),
+                "use more GPUs" if gpus else "use a machine with a GPU"]
+    ways = []
     if dit is not None and (dit.weight_dtype or "").lower() not in ("fp8_e4m3fn", "fp8_e5m2"):
         ways.append("load the DiT in fp8 (weight dtype fp8_e4m3fn) to halve its weights")
     ways.append("use more GPUs" if gpus else "use a machine with a GPU")
@@ -912,8 +1007,21 @@ def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, w
     return ways
 
 
+def _frames_that_fit(dits: list[Component], devices: list[Device], workload: Workload, policy: Policy) -> int | None:
+    """The most frames below the workload's (a whole number of the VAE's frame steps) whose training step fits the
+    DiT on these devices; None if not even one frame does."""
+    step = dits[0].size.dims.get("vae_t", 1)
+    for frames in range(workload.frames - step, 0, -step):
+        try:
+            make_plan(dits, devices, replace(workload, frames=frames), policy, suggest=False)
+            return frames
+        except PlanError:
+            continue
+    return None
+
+
 def _plan_error(role: str, components: list[Component], devices: list[Device], workload: Workload, policy: Policy,
-                gpus: list[Device], ledger: _Ledger, attempts: list[str]) -> PlanError:
+                gpus: list[Device], ledger: _Ledger, attempts: list[str], fit_frames: int | None = None) -> PlanError:
     """What could not be placed, every attempt with its numbers, each device's budget, and the ways out."""
     needs = [{"device": d.id, "budget_bytes": ledger.budget[d.id], "committed_bytes": max(ledger.used[d.id].values())}
              for d in devices]
@@ -926,7 +1034,7 @@ def _plan_error(role: str, components: list[Component], devices: list[Device], w
     lines += [f"  - {a}" for a in attempts]
     lines += [f"  - {n['device']}: budget {format_bytes(n['budget_bytes'])}, already committed "
               f"{format_bytes(n['committed_bytes'])}" for n in needs]
-    lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload, role)))
+    lines.append("ways out: " + "; ".join(_ways_out(components, gpus, policy, workload, role, fit_frames)))
     return PlanError("\n".join(lines), needs=needs)
 
 
@@ -947,12 +1055,13 @@ def _machine_reasons(gpus: list[Device], policy: Policy) -> list[str]:
 
 
 def make_plan(components: list[Component], devices: list[Device], workload: Workload,
-              policy: Policy | None = None) -> Plan:
+              policy: Policy | None = None, *, suggest: bool = True) -> Plan:
     """Place the components: DiT first (it decides sharding), then the text encoder, then the VAE. A
     ``dit_low_noise`` component makes the DiT two experts (Wan 2.2 A14B) on the same devices: both resident when
     memory allows, else one at a time with the cost of each switch in the reasons.
 
-    Deterministic for the same input. Raises PlanError naming each device's need and budget, and the ways out.
+    Deterministic for the same input. Raises PlanError naming each device's need and budget, and the ways out
+    (``suggest``: for a training step, also the most frames that fit).
     """
     policy = policy or Policy()
     roles = [c.role for c in components]
@@ -995,6 +1104,16 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
                 if line := fp8_plan_line(placed[0].weight_dtype, [(d.id, d.capability) for d in devices
                                                                   if d.id in placed[0].devices]):
                     placed[0].reasons.append(line)
+            if placed is not None and workload.train is not None and host is not None:
+                data = {host.id: {"sample": dataset_bytes(comp.size, workload)}}
+                if ledger.fits(data):
+                    ledger.commit(data, "training dataset")
+                    placed[0].reasons.append(f"the dataset's {workload.train.dataset} latent(s) and their "
+                                             f"conditioning stay in host RAM: {format_bytes(data[host.id]['sample'])}")
+                else:
+                    attempts.append(f"the dataset's {workload.train.dataset} latent(s) and their conditioning need "
+                                    f"{format_bytes(data[host.id]['sample'])} of host RAM; {_host_room(host, ledger)}")
+                    placed = None
         elif role == "text_encoder":
             placed = _place_text_encoder(comp, gpus, host, workload, policy, ledger, attempts)
         else:
@@ -1003,7 +1122,9 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
             placed = _last_resort(comp, gpus, host, workload, policy, ledger, attempts)
             placed = [placed] if role == "dit" and placed is not None else placed
         if placed is None:
-            raise _plan_error(role, components, devices, workload, policy, gpus, ledger, attempts)
+            frames = (_frames_that_fit([c for c in components if c.role in EXPERT_ROLES], devices, workload, policy)
+                      if role == "dit" and workload.train is not None and suggest else None)
+            raise _plan_error(role, components, devices, workload, policy, gpus, ledger, attempts, frames)
         for p in placed if isinstance(placed, list) else [placed]:
             if p.role in gguf_notes:
                 p.reasons.append(gguf_notes[p.role])

@@ -398,6 +398,10 @@ class ComponentSize:
     # What ComfyUI's LTX-2 text encoder loads from this file besides the component (an LTX-2 checkpoint's text
     # projection, ``ltx2_text_encoder_parts``), sized on its own; ``text_encoder_for`` adds it to the encoder.
     text_encoder_parts: ComponentSize | None = None
+    # What ComfyUI's Train LoRA trains on it (``mgpu.planning.training.adapter_params``): out + in summed over the
+    # weight matrices (a LoRA of rank r has r x that), and the elements of the 1-D weights and biases (trained whole).
+    adapter_sides: int = 0
+    adapter_vectors: int = 0
 
     @property
     def gguf(self) -> bool:
@@ -734,12 +738,16 @@ def _sized(path: str, tensors: dict[str, TensorInfo], detection: _Detection, pre
         by_dtype[t.dtype] += t.nbytes
     matrices = [t for t in tensors.values() if t.dtype in FLOAT_DTYPES and len(t.shape) >= 2]
     groups = _block_groups(tensors)
+    layer_weights = [t for k, t in tensors.items() if k.endswith((".weight", ".bias"))]
     return ComponentSize(
         path=path, kind=detection.kind, family=detection.family, total_bytes=total,
         params=sum(t.numel for t in tensors.values()), bytes_by_dtype=dict(by_dtype), blocks=groups,
         bytes_outside_blocks=total - (sum(groups[0].bytes_per_block) if groups else 0), dims=detection.dims,
         key_prefix=prefix, warnings=warnings, matrix_params=sum(t.numel for t in matrices),
-        matrix_bytes=sum(t.nbytes for t in matrices))
+        matrix_bytes=sum(t.nbytes for t in matrices),
+        adapter_sides=sum(t.shape[0] + math.prod(t.shape[1:]) for t in layer_weights
+                          if len(t.shape) >= 2 and t.name.endswith(".weight")),
+        adapter_vectors=sum(t.numel for t in layer_weights if len(t.shape) == 1))
 
 
 # ComfyUI 0.33's LTX-2 text encoder (comfy/text_encoders/lt.py, LTXAVTEModel.load_sd) is Gemma plus what it loads
