@@ -338,6 +338,11 @@ def chart(plan: Plan) -> list[dict]:
             if working:
                 segments.append({"kind": "working", "label": f"{_ROLE_LABEL[_RUNS_IN[phase]]} working",
                                  "bytes": working})
+            dataset = max((p.training.get("dataset_bytes", {}).get(use.device, 0) for p in plan.placements
+                           if p.training and phase == "sample"), default=0)   # the experts share one dataset
+            if dataset:
+                segments.append({"kind": "working", "label": "training dataset (latents, conditioning)",
+                                 "bytes": dataset})
             phases.append({"phase": phase, "bytes": use.by_phase[phase], "segments": segments})
         rows.append({"device": use.device, "name": names.get(use.device, ""), "budget_bytes": use.budget_bytes,
                      "peak_bytes": use.peak_bytes, "headroom_bytes": use.headroom_bytes, "phases": phases})

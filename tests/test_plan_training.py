@@ -94,7 +94,8 @@ def test_rows_that_do_not_fit_at_once_are_split_into_accumulated_forwards(sizes)
     assert one.shard + one.process + one.working <= budget < two.shard + two.process + two.working
     dit = make_plan([Component("dit", size)], devices, wl).placement("dit")
     assert dit.training == {"gradient_checkpointing": True, "batch_size": 2, "grad_accumulation_steps": 6,
-                            "adapter_params": adapter_params(size, 32)}
+                            "adapter_params": adapter_params(size, 32),
+                            "dataset_bytes": {"cpu": dataset_bytes(size, wl)}}
     assert dit.batch_per_rank == 1
     assert any("4 rows per forward" not in r and "(12 rows, as asked)" in r for r in dit.reasons)
 

@@ -160,6 +160,11 @@ def test_a_training_request_plans_one_train_lora_step(model_dir):
         "dataset": 40, "grad_accumulation": 2}
     dit = plan.placement("dit")
     assert dit.training["gradient_checkpointing"] and dit.training["grad_accumulation_steps"] == 2
+    for row in mf.chart(plan):   # the dataset's bytes in host RAM are drawn too: every phase adds up
+        for phase in row["phases"]:
+            assert sum(seg["bytes"] for seg in phase["segments"]) == phase["bytes"], (row["device"], phase)
+    host = next(row for row in mf.chart(plan) if row["device"] == "cpu")
+    assert [seg["label"] for seg in host["phases"][1]["segments"]] == ["training dataset (latents, conditioning)"]
     sampling = mf.make_plan_for(replace(req, train=False), full_path)
     assert sampling.workload["train"] is None and sampling.placement("dit").training is None
 

@@ -1108,6 +1108,8 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
                 data = {host.id: {"sample": dataset_bytes(comp.size, workload)}}
                 if ledger.fits(data):
                     ledger.commit(data, "training dataset")
+                    for p in placed:
+                        p.training["dataset_bytes"] = {host.id: data[host.id]["sample"]}
                     placed[0].reasons.append(f"the dataset's {workload.train.dataset} latent(s) and their "
                                              f"conditioning stay in host RAM: {format_bytes(data[host.id]['sample'])}")
                 else:
