@@ -6,7 +6,8 @@ DIFFUSION_MODEL wrapper (ComfyUI's own interception point, so single-device and 
 step's tokens x batch with the plan's and logs a warning once per shape. A video of another size than planned (the
 latent node not wired to MGPU Plan's width, height, frames and batch outputs, or typed apart) warns too, smaller
 ones included: the plan's devices, split and time estimate were decided for the other size. A smaller batch alone
-does not warn: ComfyUI may run cond and uncond apart. LTX-2 hands its network a list [video, audio]: the video
+does not warn: ComfyUI may run cond and uncond apart. A plan made for training (the LoRA training examples sample
+with the trained LoRA on the same ranks) sized a training step: sampling the same video with CFG does not warn. LTX-2 hands its network a list [video, audio]: the video
 stream is the one planned.
 """
 
@@ -21,6 +22,8 @@ from mgpu.planning.sizing import ComponentSize
 log = logging.getLogger("mgpu")
 
 WRAPPER_KEY = "mgpu_plan_check"
+# Rows per planned training row that a sampling step on the same ranks may take without a warning: CFG's two.
+TRAINING_PLAN_SAMPLING_ROWS = 2
 FIX = ("wire the plan's width, height, frames and batch outputs into the latent node, or set the plan's inputs to "
        "this video, and queue again.")
 
@@ -55,7 +58,12 @@ class PlanCheck:
         wl, tokens = self.workload, self.tokens(shape)
         per_video = self.planned // wl.dit_batch
         planned = f"{wl.width}x{wl.height}x{wl.frames}, batch {wl.batch}{' with CFG' if wl.cfg else ''}"
-        if tokens * shape[0] > self.planned:
+        # A training plan sized a training step, whose forward and backward hold several times what a sampling step
+        # of the same video holds, with CFG's two rows too (mgpu.planning.training): only more rows than that warn.
+        capacity = self.planned * (TRAINING_PLAN_SAMPLING_ROWS if wl.train is not None else 1)
+        if wl.train is not None:
+            planned = f"{wl.width}x{wl.height}x{wl.frames}, a training step of {wl.batch} row{'s' * (wl.batch > 1)}"
+        if tokens * shape[0] > capacity:
             log.warning(
                 "%s: this step's latent %s is %d tokens x batch %d = %d, but the MGPU Plan was made for %s = %d "
                 "tokens x batch %d = %d (this is %.1fx that). Its memory estimate for each device no longer holds "

@@ -82,3 +82,18 @@ def test_ltx2s_video_stream_is_checked(ltx2, caplog):
     assert warnings_for(check, [planned, audio], caplog) == []
     (message,) = warnings_for(check, [torch.empty(2, 128, 13, 32, 48, device="meta"), audio], caplog)
     assert "latent 2x128x13x32x48 is 19968 tokens x batch 2" in message and "768x512x97, batch 1 with CFG" in message
+
+
+def test_a_training_plan_lets_the_same_video_sample_with_cfg_and_warns_beyond(wan, caplog):
+    """A plan made for a training step (the LoRA examples sample with the new LoRA on the same ranks): its one row's
+    forward and backward hold far more than CFG's two sampling rows of the same video, so those pass; a third row,
+    or a larger video, warns, naming the training step."""
+    from mgpu.planning.training import Training
+
+    check = PlanCheck(wan, Workload(width=832, height=480, frames=33, batch=1, cfg=False, train=Training()), "DiT")
+    assert warnings_for(check, wan_latent(1, 33, 480, 832), caplog) == []   # the training step itself
+    assert warnings_for(check, wan_latent(2, 33, 480, 832), caplog) == []   # sampling with CFG
+    (message,) = warnings_for(check, wan_latent(3, 33, 480, 832), caplog)
+    assert "the MGPU Plan was made for 832x480x33, a training step of 1 row = 14040 tokens x batch 1" in message
+    (message,) = warnings_for(check, wan_latent(1, 81, 480, 832), caplog)
+    assert "is 32760 tokens x batch 1 = 32760, but the MGPU Plan was made for 832x480x33, a training step" in message
