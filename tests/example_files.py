@@ -19,6 +19,7 @@ EXAMPLES = {
     "wan22_t2v_a14b_multi_gpu": "Wan 2.2 text-to-video A14B (multi-GPU)",
     "ltx2_t2v_multi_gpu": "LTX-2 19B text-to-video with audio (multi-GPU)",   # ComfyUI 0.33 and newer
     "wan21_lora_training_multi_gpu": "Wan 2.1 LoRA training on several GPUs",   # offered on 0.33 (Save LoRA's id)
+    "wan22_lora_pair_training_multi_gpu": "Wan 2.2 A14B LoRA pair training on several GPUs",   # 0.33, as above
 }
 # Combo inputs of the loaders that name model files, and the ComfyUI model folder each lists.
 FILE_FOLDERS = {

@@ -187,7 +187,8 @@ HF_FILE_URL = re.compile(r"https://huggingface\.co/(?P<org>[^/]+)/[^/]+/resolve/
 # ComfyUI has no training template: the LoRA example trains and samples the files of its Wan 2.1 one.
 COMFYUI_TEMPLATES = {"wan21_t2v_multi_gpu": "text_to_video_wan", "ltxv_t2v_multi_gpu": "ltxv_text_to_video",
                      "ltx2_t2v_multi_gpu": "video_ltx2_t2v", "wan22_t2v_a14b_multi_gpu": "video_wan2_2_14B_t2v",
-                     "wan21_lora_training_multi_gpu": "text_to_video_wan"}
+                     "wan21_lora_training_multi_gpu": "text_to_video_wan",
+                     "wan22_lora_pair_training_multi_gpu": "video_wan2_2_14B_t2v"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -341,7 +342,7 @@ NEWER_NODES = {"ltx2_t2v_multi_gpu": {"LTXVAudioVAELoader", "LTXVEmptyLatentAudi
                                       "LTXVSeparateAVLatent", "LTXVAudioVAEDecode"},   # LTX-2: ComfyUI 0.33+
                # 0.33 names Save LoRA Weights SaveLoRA; 0.3.64 names it SaveLoRANode (same inputs), an id 0.33
                # does not know: the example names the current one
-               "wan21_lora_training_multi_gpu": {"SaveLoRA"}}
+               "wan21_lora_training_multi_gpu": {"SaveLoRA"}, "wan22_lora_pair_training_multi_gpu": {"SaveLoRA"}}
 # Stock node types an older ComfyUI has under another id (the run there uses it).
 OLDER_IDS = {"SaveLoRA": "SaveLoRANode"}   # ComfyUI 0.3.64
 
@@ -806,3 +807,83 @@ def test_lora_training_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer
         assert img.format == "PNG" and img.width > 100
     assert _video(server, entry) == (5, 64, 64)
     assert "MGPU Train LoRA: 2 optimizer steps" in server.log()
+
+
+# --- Wan 2.2 A14B: a LoRA per expert from one dataset, planned for training, then sampled with the pair --------------
+
+LORA_PAIR = "wan22_lora_pair_training_multi_gpu"
+
+
+def test_the_pair_example_trains_each_expert_on_its_share_and_samples_with_comfyuis_wan22_graph():
+    """MGPU Plan, made for training (train on) with both experts, feeds both loaders (fsdp), both MGPU Train LoRA
+    nodes and the decode; one dataset (the clip cut and scaled to the plan's size, one caption) trains the
+    high-noise expert's LoRA on timesteps 0 to 0.5 and the low-noise expert's on 0.5 to 1, each saved under its own
+    run; each LoRA goes onto its own expert, and ComfyUI's Wan 2.2 graph samples: the high-noise expert for steps
+    0-10 of 20 (the schedule's first half, where its LoRA trained), the low-noise one from there."""
+    _, api = load(LORA_PAIR)
+    (plan_id,) = [i for i, n in api.items() if n["class_type"] == "MgpuPlan"]
+    plan = api[plan_id]["inputs"]
+    assert plan["train"] is True and plan["dit_low_noise"] != "none" and plan["dit"] != plan["dit_low_noise"]
+    trains = {n["inputs"]["timestep_start"]: (i, n["inputs"]) for i, n in api.items()
+              if n["class_type"] == "MgpuTrainLoRA"}
+    assert set(trains) == {0.0, 0.5}
+    (high_id, high), (low_id, low) = trains[0.0], trains[0.5]
+    assert (high["timestep_end"], low["timestep_end"]) == (0.5, 1.0)
+    assert high["latents"] == low["latents"] and high["positive"] == low["positive"]
+    assert high["run_name"] != low["run_name"] and high["checkpoint_every"] > 0
+    for train, expert in ((high, plan["dit"]), (low, plan["dit_low_noise"])):
+        assert train["plan"] == [plan_id, 0]
+        loader = api[train["model"][0]]["inputs"]
+        assert loader["unet_name"] == expert and loader["device"] == "fsdp" and loader["plan"] == [plan_id, 0]
+    samplers = sorted((n["inputs"] for n in api.values() if n["class_type"] == "KSamplerAdvanced"),
+                      key=lambda s: s["start_at_step"])
+    assert [(s["start_at_step"], s["end_at_step"], s["steps"]) for s in samplers] == [(0, 10, 20), (10, 10000, 20)]
+    for sampler, train_id, train in zip(samplers, (high_id, low_id), (high, low)):
+        with_lora = api[api[sampler["model"][0]]["inputs"]["model"][0]]
+        assert with_lora["class_type"] == "LoraModelLoader"
+        assert with_lora["inputs"]["lora"] == [train_id, 0] and with_lora["inputs"]["model"] == train["model"]
+    saves = {n["inputs"]["lora"][0]: n["inputs"] for n in api.values() if n["class_type"] == "SaveLoRA"}
+    assert set(saves) == {high_id, low_id} and saves[high_id]["prefix"] != saves[low_id]["prefix"]
+
+
+@pytest.mark.comfyui
+def test_lora_pair_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer):
+    """The twin as written on tiny experts: the plan (train on, this CPU machine) places both experts on the same
+    cpu ranks, both MGPU Train LoRA nodes follow it (2 optimizer steps each, rank 4), each saves its LoRA, and the
+    Wan 2.2 graph samples with the pair. On ComfyUI 0.3.64 Save LoRA Weights runs under its old id."""
+    server = comfyui_server
+    info = server.object_info()
+    _, api = load(LORA_PAIR)
+    for node in api.values():
+        if node["class_type"] == "MgpuLoadDiffusionModel":
+            name = node["inputs"]["unet_name"]
+            write_tiny_wan21_t2v(server.diffusion_models / name, seed=1 if "high" in name else 2)
+    if not (server.vae / "wan_2.1_vae.safetensors").exists():
+        write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
+    (clip,) = [n["inputs"]["file"] for n in api.values() if n["class_type"] == "LoadVideo"]
+    write_clip(server.base_dir / "input" / clip)
+    prompt = _for_the_run(api, 64, 64, 5)
+    for node in prompt.values():
+        if node["class_type"] == "MgpuTrainLoRA":
+            node["inputs"].update(steps=2, rank=4, checkpoint_every=1)
+        elif node["class_type"] == "MgpuPlan":
+            node["inputs"].update(lora_rank=4)
+        elif node["class_type"] == "KSamplerAdvanced":   # 4 steps, the switch after 2
+            inputs = node["inputs"]
+            inputs.update(steps=4, **({"end_at_step": 2} if inputs["start_at_step"] == 0 else {"start_at_step": 2}))
+        elif node["class_type"] not in info and node["class_type"] in OLDER_IDS:
+            node["class_type"] = OLDER_IDS[node["class_type"]]
+    prefixes = sorted(n["inputs"]["prefix"] for n in api.values() if n["class_type"] == "SaveLoRA")
+    before = {p: set(server.output_dir.glob(f"{p}_2_steps_*.safetensors")) for p in prefixes}
+    start = len(server.log())
+    entry = _run_twin(server, prompt)
+    log = server.log()[start:]
+    saved = {p: set(server.output_dir.glob(f"{p}_2_steps_*.safetensors")) - before[p] for p in prefixes}
+    loras = [load_file(str(next(iter(files)))) for files in saved.values()]
+    assert all(len(files) == 1 for files in saved.values()), saved
+    assert set(loras[0]) == set(loras[1]) and any(not torch.equal(loras[0][k], loras[1][k]) for k in loras[0])
+    assert log.count("MGPU Train LoRA: following the MGPU Plan") == 2, log[-3000:]
+    assert log.count("MGPU Train LoRA: 2 optimizer steps") == 2
+    for run in ("mgpu_wan22_high_lora", "mgpu_wan22_low_lora"):
+        assert (server.output_dir / "mgpu_training" / run / "step_000002").is_dir(), run
+    assert _video(server, entry) == (5, 64, 64)

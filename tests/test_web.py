@@ -135,9 +135,10 @@ def test_plan_chart_is_drawn_in_the_node(page, comfyui_server: ComfyServer):
 
     # the chart is a view, not a value: the saved workflow keeps the Plan node's widgets_values as they were
     saved = page.evaluate("(id) => window.comfyAPI.app.app.graph.getNodeById(id).serialize()", plan_id)
-    # (a workflow saved before the optional dit_low_noise input gets it last, at "none": its values keep their places)
-    assert len(saved["widgets_values"]) == 13 and saved["widgets_values"][9] == "2x24GiB,cpu=64GiB"
-    assert saved["widgets_values"][12] == "none"
+    # (a workflow saved before the optional dit_low_noise and training inputs gets them last, at their defaults:
+    # its values keep their places)
+    assert len(saved["widgets_values"]) == 19 and saved["widgets_values"][9] == "2x24GiB,cpu=64GiB"
+    assert saved["widgets_values"][12:] == ["none", False, 32, "AdamW", "auto", 1, 1]
 
 
 def test_device_combos_show_labels_but_keep_values(page, comfyui_server: ComfyServer):
