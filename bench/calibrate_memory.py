@@ -97,6 +97,23 @@ def import_comfyui(comfyui: str, cpu: bool = True) -> None:
     import comfy.model_management  # noqa: F401  (reads the flags above)
 
 
+def start_comfyui() -> tuple[str | None, str]:
+    """The ComfyUI of COMFYUI_PATH imported for a calibration on every core, and its version; (None, why printed)
+    when the variable names no ComfyUI checkout."""
+    comfyui = os.environ.get("COMFYUI_PATH")
+    if not comfyui or not os.path.isfile(os.path.join(comfyui, "comfy", "model_base.py")):
+        print("set COMFYUI_PATH to a ComfyUI checkout (the folder with comfy/model_base.py) and run this under a "
+              "Python that has ComfyUI's requirements", file=sys.stderr)
+        return None, ""
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    import_comfyui(comfyui)
+    try:
+        from comfyui_version import __version__ as version
+    except ImportError:
+        version = "unknown"
+    return comfyui, version
+
+
 def write_header_only(folder: Path, name: str, builder: str, **kwargs) -> Path:
     import ckpt_layouts as L
 
@@ -286,19 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         [token_grid(t) for t in args.tokens]
     except ValueError as e:
         ap.error(f"--tokens: {e}")
-    comfyui = os.environ.get("COMFYUI_PATH")
-    if not comfyui or not os.path.isfile(os.path.join(comfyui, "comfy", "model_base.py")):
-        print("set COMFYUI_PATH to a ComfyUI checkout (the folder with comfy/model_base.py) and run this under a "
-              "Python that has ComfyUI's requirements", file=sys.stderr)
+    comfyui, version = start_comfyui()
+    if comfyui is None:
         return 2
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    import_comfyui(comfyui)
     import comfy.model_management as mm
 
-    try:
-        from comfyui_version import __version__ as version
-    except ImportError:
-        version = "unknown"
     with tempfile.TemporaryDirectory(prefix="mgpu-calibrate-") as tmp:
         folder = Path(tmp)
         report = {"comfyui_path": comfyui, "comfyui_version": version, "torch": torch.__version__,

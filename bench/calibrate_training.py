@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from calibrate_memory import FAMILIES, forward_inputs, import_comfyui, one_block_network, write_header_only
+from calibrate_memory import FAMILIES, forward_inputs, one_block_network, start_comfyui, write_header_only
 from memprobe import LiveBytes, fit_line
 
 TRAINABLE = ("wan2.1-t2v-1.3b", "wan2.2-ti2v-5b", "wan2.1-t2v-14b")   # LTX-Video is not trainable (NOT_TRAINABLE)
@@ -188,17 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=32, help="the LoRA's rank")
     ap.add_argument("--json", help="also write every number to this file")
     args = ap.parse_args(argv)
-    comfyui = os.environ.get("COMFYUI_PATH")
-    if not comfyui or not os.path.isfile(os.path.join(comfyui, "comfy", "model_base.py")):
-        print("set COMFYUI_PATH to a ComfyUI checkout (the folder with comfy/model_base.py) and run this under a "
-              "Python that has ComfyUI's requirements", file=sys.stderr)
+    comfyui, version = start_comfyui()
+    if comfyui is None:
         return 2
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    import_comfyui(comfyui)
-    try:
-        from comfyui_version import __version__ as version
-    except ImportError:
-        version = "unknown"
     with tempfile.TemporaryDirectory(prefix="mgpu-calibrate-train-") as tmp:
         rows = [asdict(family_row(name, Path(tmp), args.tokens, args.rank)) for name in args.families]
     report = {"comfyui_version": version, "torch": torch.__version__, "rank": args.rank, "rows": rows}

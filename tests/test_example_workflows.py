@@ -772,6 +772,16 @@ def write_clip(path: Path, frames: int = 7, width: int = 96, height: int = 80) -
     return path
 
 
+def _training_run(server: ComfyServer, api: dict) -> dict:
+    """A training example's twin for the run (``_for_the_run`` at 64 x 64 x 5), with the Wan VAE and the clip its
+    Load Video names written where the server reads them."""
+    if not (server.vae / "wan_2.1_vae.safetensors").exists():
+        write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
+    (clip,) = [n["inputs"]["file"] for n in api.values() if n["class_type"] == "LoadVideo"]
+    write_clip(server.base_dir / "input" / clip)
+    return _for_the_run(api, 64, 64, 5)
+
+
 @pytest.mark.comfyui
 def test_lora_training_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer):
     """The twin as written (the DiT on fsdp: two CPU ranks here), 2 optimizer steps at rank 4: the LoRA is saved
@@ -782,11 +792,7 @@ def test_lora_training_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer
     _, api = load(LORA_TRAINING)
     assert model_files(api) == {"wan2.1_t2v_14B_bf16.safetensors", "wan_2.1_vae.safetensors"}
     write_tiny_wan21_t2v(server.diffusion_models / "wan2.1_t2v_14B_bf16.safetensors")
-    if not (server.vae / "wan_2.1_vae.safetensors").exists():
-        write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
-    (clip,) = [n["inputs"]["file"] for n in api.values() if n["class_type"] == "LoadVideo"]
-    write_clip(server.base_dir / "input" / clip)
-    prompt = _for_the_run(api, 64, 64, 5)
+    prompt = _training_run(server, api)
     for node in prompt.values():
         if node["class_type"] == "MgpuTrainLoRA":
             node["inputs"].update(steps=2, rank=4)
@@ -858,11 +864,7 @@ def test_lora_pair_twin_runs_on_tiny_checkpoints(comfyui_server: ComfyServer):
         if node["class_type"] == "MgpuLoadDiffusionModel":
             name = node["inputs"]["unet_name"]
             write_tiny_wan21_t2v(server.diffusion_models / name, seed=1 if "high" in name else 2)
-    if not (server.vae / "wan_2.1_vae.safetensors").exists():
-        write_wan21_vae(server.vae / "wan_2.1_vae.safetensors")
-    (clip,) = [n["inputs"]["file"] for n in api.values() if n["class_type"] == "LoadVideo"]
-    write_clip(server.base_dir / "input" / clip)
-    prompt = _for_the_run(api, 64, 64, 5)
+    prompt = _training_run(server, api)
     for node in prompt.values():
         if node["class_type"] == "MgpuTrainLoRA":
             node["inputs"].update(steps=2, rank=4, checkpoint_every=1)
