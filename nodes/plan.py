@@ -45,7 +45,10 @@ class MgpuPlan(io.ComfyNode):
                         "With a second expert (Wan 2.2 A14B: dit is the high-noise one, dit_low_noise the other) "
                         "both experts share the devices: both resident when memory allows, else one at a time, "
                         "with the cost of each switch. Wire its width, height, frames and batch outputs into the "
-                        "latent node, so the size the plan is made for is the size sampled.",
+                        "latent node, so the size the plan is made for is the size sampled. With train on it plans a "
+                        "LoRA training step instead (MGPU Train LoRA, its plan input connected): per GPU the shard, "
+                        "the activations and the adapter's state, the ranks, gradient checkpointing and the rows per "
+                        "forward, or the frames that fit.",
             is_output_node=True,
             inputs=[
                 io.Combo.Input("dit", options=mf.dit_names(),
