@@ -228,8 +228,11 @@ def test_a_demo_stopped_midway_exits_cleanly_and_leaves_nothing_behind(tmp_path,
 
     env = {k: v for k, v in os.environ.items() if k != "MGPU_DEVICES"}
     env.update({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)})
+    # Ctrl+C's default action in the demo, also when this suite runs in a background job, which starts with SIGINT
+    # ignored (bash's rule for '&' without job control), a disposition a child would inherit
     proc = subprocess.Popen([sys.executable, "-m", "mgpu", "demo", *TINY_DEMO[:-1], "400"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ranks: list[psutil.Process] = []
     deadline = time.monotonic() + 120
     while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
