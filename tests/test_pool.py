@@ -699,9 +699,10 @@ def test_sweep_spares_a_live_owner_whose_pid_is_not_ours_to_see(tmp_path):
 
 
 def op_spin(ctx, payload, tensors):
-    """Work in small pieces with a cancel check between them, as a forward checks between blocks."""
-    deadline = time.monotonic() + payload["seconds"]
-    while time.monotonic() < deadline:
+    """Work in small pieces with a cancel check between them, as a forward checks between blocks: the same number
+    of checks on every rank (each check is a collective vote; a rank that stopped on its own clock one check before
+    another left it waiting in the vote, which hung the test under load)."""
+    for _ in range(round(payload["seconds"] / 0.01)):
         ctx.raise_if_cancelled()
         time.sleep(0.01)
     return {"rank": ctx.rank}
