@@ -151,3 +151,26 @@ def test_training_plans_refuse_what_the_trainer_cannot_train(sizes):
         make_plan([Component("dit", sizes["ltxv"])], parse_spec("2x80GiB,cpu=64GiB"), workload())
     with pytest.raises(SizingError, match="optimizer 'Lion'"):
         Training(optimizer="Lion")
+
+
+def test_a_training_steps_time_counts_its_backward_and_recompute():
+    """The step-time model for training: 3 forwards' compute without checkpointing, 4 with it (the recompute);
+    the all-gathers twice (forward and backward) when resharding, the sequence exchanges 2 or 3 times; the same
+    split on one GPU computes the same passes, so the ratio is what communication costs."""
+    from mgpu.planning import parallel
+
+    group = parse_spec("2x24GiB:pcie")[:2]
+    args = dict(params=14_000_000_000, weight_bytes=14 << 30, tokens=32760, rows=1, hidden=5120, layers=40)
+
+    def run(training):
+        return parallel.estimate(parallel.Degrees(ranks=2, cfg=1, sp=2), group, **args, training=training)
+
+    sampling, off, on = run(None), run("off"), run("on")
+    assert off.single_seconds == pytest.approx(3 * sampling.single_seconds)
+    assert on.single_seconds == pytest.approx(4 * sampling.single_seconds)
+    moved = {name: d.step_seconds - d.single_seconds / 2 for name, d in (("sampling", sampling), ("off", off),
+                                                                         ("on", on))}
+    gather = (14 << 30) / 2 / parallel.LINK_BYTES_PER_S["pcie"]
+    exchange = moved["sampling"] - gather
+    assert moved["off"] == pytest.approx(2 * gather + 2 * exchange)
+    assert moved["on"] == pytest.approx(2 * gather + 3 * exchange)

@@ -12,7 +12,8 @@ so the plan shows what will run. Ranks without rows still join the all-gathers, 
 The time model below only decides whether to warn: per step, compute (2 x params x tokens x rows for the matmuls
 plus 4 x tokens^2 x hidden x rows x layers for attention) at ``gpu_flops``, plus the bytes each rank moves (the
 FSDP all-gather when the gathered weights are not kept, the SP all-to-alls) at the slowest link of the group. No
-overlap is assumed, so the estimate errs towards warning.
+overlap is assumed, so the estimate errs towards warning. A LoRA training step counts its backward and, with
+gradient checkpointing, its recompute (``TRAINING_PASSES``).
 """
 
 from __future__ import annotations
@@ -124,24 +125,33 @@ def step_flops(params: int, tokens: int, rows: int, hidden: int, layers: int) ->
     return 2.0 * params * tokens * rows + 4.0 * tokens * tokens * hidden * rows * layers
 
 
+# A training step in forward passes' worth (``estimate``'s ``training``): compute (the backward costs two forwards;
+# checkpointing recomputes the forward), FSDP all-gathers (again in the backward) and sequence exchanges (their
+# backward, and the recompute's).
+TRAINING_PASSES = {"off": {"compute": 3, "gather": 2, "exchange": 2}, "on": {"compute": 4, "gather": 2, "exchange": 3}}
+
+
 def estimate(degrees: Degrees, group: list[Device], *, params: int, weight_bytes: int, tokens: int, rows: int,
              hidden: int, layers: int, act_bytes: int = 2, resharding: bool = True,
-             kv_gather_width: int = 0) -> Degrees:
+             kv_gather_width: int = 0, training: str | None = None) -> Degrees:
     """Fill the step-time estimates of ``degrees`` on ``group`` and warn when N GPUs are likely slower than one.
     ``kv_gather_width``: a stream that attends to every token of a split one all-gathers their keys and values in
-    each layer, at this width (LTX-2's audio queries on the video tokens: its audio width)."""
+    each layer, at this width (LTX-2's audio queries on the video tokens: its audio width). ``training``: a LoRA
+    training step with gradient checkpointing "on" or "off" (``TRAINING_PASSES``) instead of a sampling step."""
     link = group_link(group)
     if link is None or not group:
         return degrees
-    flops = step_flops(params, tokens, rows, hidden, layers)
+    passes = TRAINING_PASSES[training] if training else {"compute": 1, "gather": 1, "exchange": 1}
+    flops = step_flops(params, tokens, rows, hidden, layers) * passes["compute"]
     speed = min(gpu_flops(d) for d in group)
     n = degrees.ranks
     compute = flops / degrees.busy_ranks(rows) / speed
-    gather = weight_bytes * (n - 1) / n if resharding else 0.0
+    gather = weight_bytes * (n - 1) / n * passes["gather"] if resharding else 0.0
     local_rows = math.ceil(rows / degrees.cfg)
     a2a = (ALL_TO_ALLS_PER_LAYER * layers * local_rows * math.ceil(tokens / degrees.sp) * hidden * act_bytes
-           * (degrees.sp - 1) / degrees.sp)
+           * (degrees.sp - 1) / degrees.sp) * passes["exchange"]
     kv = 2 * layers * local_rows * tokens * kv_gather_width * act_bytes * (degrees.sp - 1) / degrees.sp
+    kv *= passes["exchange"]
     moved = gather + a2a + kv
     degrees.step_seconds = compute + moved / LINK_BYTES_PER_S[link]
     degrees.single_seconds = flops / speed

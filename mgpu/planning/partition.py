@@ -526,7 +526,8 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
             parallel.estimate(degrees, group, params=size.params, weight_bytes=wbytes[0],
                               tokens=dit_tokens(size, run), rows=run.dit_batch, hidden=size.dims["hidden"],
                               layers=size.dims["layers"], resharding=reshard,
-                              kv_gather_width=size.dims.get("audio_hidden", 0))   # LTX-2's audio queries
+                              kv_gather_width=size.dims.get("audio_hidden", 0),   # LTX-2's audio queries
+                              training=run.train.checkpointing if run.train else None)
         n = len(group)
         whose = "each expert's" if mode else "the"
         reasons = [why, *([] if fits else [f"warning: {short}, by these estimates: sharded over them all the "
