@@ -47,7 +47,7 @@ AUTO_DEVICES = "auto"
 DIT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e5m2", "bf16", "fp16", "fp32")
 # (min, max, default): the node's widgets and the route accept the same numbers.
 INT_LIMITS = {"width": (16, 16384, 832), "height": (16, 16384, 480), "frames": (1, 16384, 81), "batch": (1, 64, 1),
-              "lora_rank": (1, 128, 32), "grad_accumulation": (1, 1024, 1), "dataset": (1, 100000, 1)}
+              "lora_rank": (1, 128, 8), "grad_accumulation": (1, 1024, 1), "dataset": (1, 100000, 1)}
 BOOL_DEFAULTS = {"cfg": True, "allow_offload": False, "prefer_speed": False, "train": False}
 # A training plan's choices (the optional MGPU Plan inputs, POST /mgpu/plan's fields): name -> (options, default)
 CHOICES = {"optimizer": (tuple(OPTIMIZER_STATES), "AdamW"), "gradient_checkpointing": (CHECKPOINTING, "auto")}
@@ -84,7 +84,7 @@ class PlanRequest:
     # train: plan one MGPU Train LoRA step (``mgpu.planning.training``) instead of sampling: the size is one dataset
     # item's, batch the rows per step, no CFG
     train: bool = False
-    lora_rank: int = 32
+    lora_rank: int = 8   # MGPU Train LoRA's default rank
     optimizer: str = "AdamW"
     gradient_checkpointing: str = "auto"
     grad_accumulation: int = 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 from mgpu.planning.estimates import Workload, dit_tokens
 from mgpu.planning.sizing import ComponentSize
@@ -83,5 +84,8 @@ def add_plan_check(patcher, size: ComponentSize, plan, label: str):
     from comfy.patcher_extension import WrappersMP
 
     workload = Workload.from_dict(plan.workload)
+    placed = plan.expert(size.path) or plan.placement("dit")
+    if workload.train is not None and placed is not None and placed.training:   # the rows per forward it chose
+        workload = replace(workload, batch=placed.training["batch_size"])
     patcher.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, PlanCheck(size, workload, label))
     return patcher

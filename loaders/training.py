@@ -27,7 +27,7 @@ from mgpu.planning.devices import format_bytes
 from mgpu.training.run import TrainingRun
 
 from . import pools
-from .training_checkpoints import RunCheckpoints
+from .training_checkpoints import RunCheckpoints, newest
 from .diffusion import REMOTE_FORWARD, RemoteForward, ShardedModelPatcher, raise_interrupted
 
 log = logging.getLogger("mgpu")
@@ -78,7 +78,8 @@ class TrainSettings:
     def fingerprint(self) -> dict:
         """What a resumed run must share with its checkpoint (the steps may grow; where checkpoints go may
         change)."""
-        skip = {"steps", "run_name", "checkpoint_every", "keep_checkpoints", "resume"}
+        skip = {"steps", "run_name", "checkpoint_every", "keep_checkpoints", "resume",
+                "gradient_checkpointing"}   # memory against compute: the same LoRA either way
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
     def check(self) -> None:
@@ -98,11 +99,12 @@ class TrainSettings:
                             "never unpickles a file: convert it to safetensors first")
 
 
-def follow_plan(plan, model, settings: TrainSettings) -> TrainSettings:
+def follow_plan(plan, model, settings: TrainSettings, run: dict | None = None) -> TrainSettings:
     """``settings`` as a connected MGPU Plan made for training decides them: gradient checkpointing and the rows per
     forward (its batch_size and grad_accumulation_steps keep the rows per optimizer step it was asked for). A plan
-    made for sampling is refused; one sized for another LoRA, or whose ranks the model was not loaded on, is
-    followed with a warning naming the difference."""
+    made for sampling is refused; one sized for another LoRA, dtype or ranks than the node's is followed with a
+    warning naming the difference. ``run``: the settings a resumed run was trained with (its checkpoint's
+    fingerprint): its rows per forward and accumulation are kept, whatever the plan made of today's free memory."""
     if plan is None:
         return settings
     if not plan.workload.get("train"):
@@ -113,10 +115,13 @@ def follow_plan(plan, model, settings: TrainSettings) -> TrainSettings:
         raise MgpuError(f"{NODE}: the connected MGPU Plan has no training step for a DiT: make it again with a dit "
                         "and train on")
     asked = plan.workload["train"]
-    if (asked["lora_rank"], asked["optimizer"]) != (settings.rank, settings.optimizer):
-        log.warning("%s: the MGPU Plan was sized for LoRA rank %d with %s; this node trains rank %d with %s: set "
-                    "the plan's lora_rank and optimizer to this node's", NODE, asked["lora_rank"], asked["optimizer"],
-                    settings.rank, settings.optimizer)
+    planned = {"rank": asked["lora_rank"], "optimizer": asked["optimizer"],
+               "training_dtype": asked["training_dtype"], "lora_dtype": asked["lora_dtype"]}
+    if differ := {k: v for k, v in planned.items() if getattr(settings, k) != v}:
+        log.warning("%s: the MGPU Plan was sized for %s; this node trains with %s: its memory estimate does not hold "
+                    "(set the plan's lora_rank and optimizer to this node's; it plans bf16)", NODE,
+                    ", ".join(f"{k} {v}" for k, v in differ.items()),
+                    ", ".join(f"{k} {getattr(settings, k)}" for k in differ))
     if model.rank_devices and list(model.rank_devices) != list(placed.devices):
         log.warning("%s: the MGPU Plan shards the DiT over %s, but this MODEL's ranks are %s: connect the plan to "
                     "MGPU Load Diffusion Model (device auto) too", NODE, ", ".join(placed.devices),
@@ -124,6 +129,10 @@ def follow_plan(plan, model, settings: TrainSettings) -> TrainSettings:
     chosen = {"gradient_checkpointing": placed.training["gradient_checkpointing"],
               "batch_size": placed.training["batch_size"],
               "grad_accumulation_steps": placed.training["grad_accumulation_steps"]}
+    for k in ("batch_size", "grad_accumulation_steps"):
+        if run is not None and k in run and run[k] != chosen[k]:
+            log.info("%s: resume: the run was trained with %s %s; kept over the plan's %s", NODE, k, run[k], chosen[k])
+            chosen[k] = run[k]
     log.info("%s: following the MGPU Plan: %s (asked on this node: %s)", NODE,
              ", ".join(f"{k} {v}" for k, v in chosen.items()),
              ", ".join(f"{k} {getattr(settings, k)}" for k in chosen))
@@ -314,7 +323,8 @@ def train(model, latents: list[dict], positive: list, settings: TrainSettings,
     if network in NOT_TRAINABLE:
         raise MgpuError(f"{NODE}: this MODEL's network is ComfyUI's {network}, which cannot be trained: "
                         f"{NOT_TRAINABLE[network]}. Train a Wan 2.1 / 2.2 model")
-    settings = follow_plan(plan, model, settings)
+    trained = newest(NODE, settings.run_name) if settings.resume and plan is not None else None
+    settings = follow_plan(plan, model, settings, trained.host.fingerprint if trained else None)
     samples, conds, count = dataset(latents, positive)
     existing_weights, existing_steps = existing(settings.existing_lora)
     checkpoints = RunCheckpoints(NODE, settings.run_name, settings.checkpoint_every, settings.keep_checkpoints,

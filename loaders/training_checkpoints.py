@@ -41,6 +41,18 @@ class Resumed:
     host: ck.HostState
 
 
+def newest(node: str, run: str) -> Resumed | None:
+    """The newest checkpoint of ``run`` whose signature verifies (a folder whose save did not finish is skipped; one
+    that no longer verifies is refused by name); None when the run has none."""
+    signing = key()
+    for folder in reversed(ck.saved_steps(root(), run)):
+        if not (folder / ck.SIGNATURE_FILE).is_file():
+            log.warning("%s: %s has no signature (its save did not finish): skipped", node, folder)
+            continue
+        return Resumed(folder, ck.verify(folder, signing))
+    return None
+
+
 @dataclass
 class RunCheckpoints:
     """One run's checkpoints: ``every`` optimizer steps (0: only at the end), the newest ``keep`` kept."""
@@ -62,20 +74,16 @@ class RunCheckpoints:
     def find(self) -> Resumed | None:
         """The newest checkpoint of this run that verifies, checked against this prompt's settings and data; None
         when the run has none yet. A signed folder that no longer verifies, or other settings, are refused by name."""
-        signing = key()
-        for folder in reversed(ck.saved_steps(root(), self.run)):
-            if not (folder / ck.SIGNATURE_FILE).is_file():
-                log.warning("%s: %s has no signature (its save did not finish): skipped", self.node, folder)
-                continue
-            host = ck.verify(folder, signing)
-            changed = ck.mismatches(host.fingerprint, self.fingerprint)
-            if changed:
-                raise MgpuError(f"{self.node}: resume: the newest checkpoint of run {self.run!r} ({folder}) was "
-                                f"trained with other settings or data: {'; '.join(changed)}. Queue it with the "
-                                "checkpoint's settings, or give this run another run_name")
-            self.last = folder
-            return Resumed(folder, host)
-        return None
+        resumed = newest(self.node, self.run)
+        if resumed is None:
+            return None
+        changed = ck.mismatches(resumed.host.fingerprint, self.fingerprint)
+        if changed:
+            raise MgpuError(f"{self.node}: resume: the newest checkpoint of run {self.run!r} ({resumed.folder}) was "
+                            f"trained with other settings or data: {'; '.join(changed)}. Queue it with the "
+                            "checkpoint's settings, or give this run another run_name")
+        self.last = resumed.folder
+        return resumed
 
     def mark_boundary(self, optimizer_steps: int) -> None:
         """After each optimizer step: the global generator is where the next step draws from (core's loop draws

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (MGPU Train LoRA)", "--train plans a LoRA training step instead of sampling: "
                              "the size is one dataset item's, --batch the rows per step; no CFG")
     t.add_argument("--train", action="store_true", help="plan training, not sampling")
-    t.add_argument("--lora-rank", type=int, default=32, help="the LoRA's rank (default 32)")
+    t.add_argument("--lora-rank", type=int, default=8, help="the LoRA's rank (default 8, MGPU Train LoRA's)")
     t.add_argument("--optimizer", default="AdamW", choices=list(OPTIMIZER_STATES))
     t.add_argument("--checkpointing", default="auto", choices=list(CHECKPOINTING),
                    help="gradient checkpointing; auto: off when it fits, else on (default)")

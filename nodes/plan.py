@@ -113,7 +113,7 @@ class MgpuPlan(io.ComfyNode):
     @classmethod
     def execute(cls, dit: str, text_encoder: str, vae: str, width: int, height: int, frames: int, batch: int,
                 cfg: bool, dit_weight_dtype: str, devices: str, allow_offload: bool,
-                prefer_speed: bool, dit_low_noise: str = mf.NONE, train: bool = False, lora_rank: int = 32,
+                prefer_speed: bool, dit_low_noise: str = mf.NONE, train: bool = False, lora_rank: int = 8,
                 optimizer: str = "AdamW", gradient_checkpointing: str = "auto", grad_accumulation: int = 1,
                 dataset: int = 1) -> io.NodeOutput:
         request = mf.PlanRequest(

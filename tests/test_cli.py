@@ -273,7 +273,7 @@ def test_plan_example_plans_full_size_models_without_their_files(tmp_path, name,
 def test_plan_train_sizes_a_lora_step_and_says_what_fits(tmp_path):
     """README's training plans: Wan 2.1 14B fp8, LoRA rank 32, 480p x 81 on 2 x 24 GiB is refused (exit 3) with
     the frames that fit; at those frames the plan shards over both GPUs with checkpointing on and says why."""
-    args = ("plan", "--example", "wan2.1-14b", "--train", "--width", "832", "--height", "480")
+    args = ("plan", "--example", "wan2.1-14b", "--train", "--lora-rank", "32", "--width", "832", "--height", "480")
     r = mgpu(*args, "--frames", "81", env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 3 and "a smaller LoRA rank than 32" in r.stderr, r.stderr
     frames = r.stderr.split("up to ")[1].split(" at 832x480")[0]

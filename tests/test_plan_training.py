@@ -21,7 +21,8 @@ GiB = 1 << 30
 
 
 def workload(frames: int = 81, batch: int = 1, **train) -> Workload:
-    return Workload(width=832, height=480, frames=frames, batch=batch, cfg=False, train=Training(**train))
+    return Workload(width=832, height=480, frames=frames, batch=batch, cfg=False,
+                    train=Training(**{"lora_rank": 32, **train}))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def test_the_plan_trains_without_checkpointing_when_that_fits_and_with_it_when_n
     tight = make_plan([Component("dit", size)], parse_spec("2x24GiB,cpu=64GiB"), workload(frames=81))
     dit = tight.placement("dit")
     assert dit.training["gradient_checkpointing"] is True
-    assert any(r.startswith("tried first: 1 row per rank per forward, gradient checkpointing off") for r in dit.reasons)
+    assert any(r.startswith("tried first: 1 row per forward (1 per rank), gradient checkpointing off")
+               for r in dit.reasons)
     assert Plan.from_json(tight.to_json()).placement("dit").training == dit.training
     assert tight.workload["train"]["lora_rank"] == 32 and not tight.workload["cfg"]
 
@@ -112,6 +114,7 @@ def test_a_step_that_fits_nowhere_is_refused_with_each_need_and_the_frames_that_
     assert "smallest budget is 23.5 GiB" in text
     assert "a smaller LoRA rank than 32" in text and "use more GPUs" in text
     assert "fp8 base" not in text   # it is one already
+    assert "fewer rows per step" not in text   # 1 row per forward was tried already
     frames = int(text.split("up to ")[1].split(" at 832x480")[0])
     assert 1 < frames < 81 and (frames - 1) % 4 == 0
     assert make_plan([Component("dit", size, "fp8_e4m3fn")], devices, workload(frames=frames))
@@ -120,6 +123,9 @@ def test_a_step_that_fits_nowhere_is_refused_with_each_need_and_the_frames_that_
     with pytest.raises(PlanError) as e:   # checkpointing forced off: the first way out is to turn it on
         make_plan([Component("dit", size, "fp8_e4m3fn")], devices, workload(checkpointing="off"))
     assert "ways out: turn gradient checkpointing on" in str(e.value)
+    with pytest.raises(PlanError) as e:   # not even one frame at 8K: no frame count to offer
+        make_plan([Component("dit", size, "fp8_e4m3fn")], devices, replace(workload(), width=7680, height=4320))
+    assert "train at a smaller size than 7680x4320 (not even one frame of it fits" in str(e.value)
 
 
 def test_four_16_gib_gpus_are_tried_first_with_the_tokens_split_four_ways(sizes):
@@ -128,7 +134,7 @@ def test_four_16_gib_gpus_are_tried_first_with_the_tokens_split_four_ways(sizes)
     with pytest.raises(PlanError) as e:
         make_plan([Component("dit", sizes["wan14b"], "fp8_e4m3fn")], parse_spec("4x16GiB,cpu=64GiB"), workload())
     attempts = [line for line in str(e.value).splitlines() if "DiT sharded over" in line]
-    assert [a.split("sharded over ")[1].split(" GPUs")[0] for a in attempts] == ["4", "3", "2", "1"]
+    assert [a.split("sharded over ")[1].split(" GPU")[0] for a in attempts] == ["4", "3", "2", "1"]
     assert "1/4 of the tokens" in attempts[0]
     needs = [float(a.split("needs ")[1].split(" GiB")[0]) for a in attempts]
     assert needs[0] == min(needs) and needs[0] > 15.5
@@ -141,9 +147,12 @@ def test_the_dataset_is_held_in_host_ram_and_counted_there(sizes):
     plan = make_plan([Component("dit", size)], parse_spec("2x141GiB,cpu=64GiB"), wl)
     host = next(u for u in plan.usage if u.device == "cpu")
     assert host.by_phase["sample"] == dataset_bytes(size, wl) == 200 * (16 * 5 * 60 * 104 * 4 + 512 * 4096 * 4)
-    with pytest.raises(PlanError, match="the dataset's 200000 latent"):
+    with pytest.raises(PlanError) as e:   # refused before any model is placed, with its own ways out
         make_plan([Component("dit", size)], parse_spec("2x141GiB,cpu=64GiB"), replace(wl, train=replace(
             wl.train, dataset=200_000)))
+    assert "the training dataset's 200000 latent(s) of 17 x 832x480" in str(e.value)
+    assert "Ways out: fewer latents in the dataset, a smaller size, or more free host RAM" in str(e.value)
+    assert e.value.needs == [{"device": "cpu", "budget_bytes": 60 * GiB, "committed_bytes": 0}]
 
 
 def test_training_plans_refuse_what_the_trainer_cannot_train(sizes):

@@ -138,7 +138,7 @@ def test_plan_chart_is_drawn_in_the_node(page, comfyui_server: ComfyServer):
     # (a workflow saved before the optional dit_low_noise and training inputs gets them last, at their defaults:
     # its values keep their places)
     assert len(saved["widgets_values"]) == 19 and saved["widgets_values"][9] == "2x24GiB,cpu=64GiB"
-    assert saved["widgets_values"][12:] == ["none", False, 32, "AdamW", "auto", 1, 1]
+    assert saved["widgets_values"][12:] == ["none", False, 8, "AdamW", "auto", 1, 1]
 
 
 def test_device_combos_show_labels_but_keep_values(page, comfyui_server: ComfyServer):

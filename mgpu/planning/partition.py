@@ -511,7 +511,8 @@ def _dit_ladder(experts: list[Component], mode: str | None, gpus: list[Device], 
         budget = min(ledger.free(dev) // k for dev, k in Counter(d.id for d in group).items())
         if not fits:
             shard = ("shard" if mode is None else "of shards")
-            short = (f"{noun} sharded over {len(group)} {'GPUs' if group[0].kind == 'cuda' else 'cpu ranks'} needs "
+            what = ("GPU" if group[0].kind == "cuda" else "cpu rank") + ("s" if len(group) > 1 else "")
+            short = (f"{noun} sharded over {len(group)} {what} needs "
                      f"{format_bytes(resident + process + working)} per rank ({format_bytes(resident)} {shard} "
                      f"+ {format_bytes(process)} rank process + {format_bytes(working)} working, "
                      + (_train_short(run, batch) if run.train else f"batch {batch} per rank")
@@ -648,7 +649,7 @@ def _train_ladder(gpus: list[Device], host: Device | None, by_budget: list[Devic
 
 
 def _train_short(run: Workload, batch: int) -> str:
-    return (f"{batch} row{'s' if batch > 1 else ''} per rank per forward, gradient checkpointing "
+    return (f"{run.batch} row{'s' if run.batch > 1 else ''} per forward ({batch} per rank), gradient checkpointing "
             f"{run.train.checkpointing}")
 
 
@@ -985,14 +986,14 @@ def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, w
                                    or weight_itemsize(dit.size, dit.weight_dtype) == 1)
     if wl.train is not None and role == "dit":
         train = wl.train
-        frames = (f"train on fewer frames (up to {fit_frames} at {wl.width}x{wl.height} fit these devices as they "
-                  "are) or a smaller size" if fit_frames else
+        frames = (f"train on fewer frames (the DiT's step fits these devices as they are up to {fit_frames} at "
+                  f"{wl.width}x{wl.height}) or a smaller size" if fit_frames else
+                  f"train at a smaller size than {wl.width}x{wl.height} (not even one frame of it fits these "
+                  "devices as they are)" if fit_frames == 0 else
                   f"train on fewer frames or a smaller size than {wl.frames} x {wl.width}x{wl.height}")
         return [*(["turn gradient checkpointing on"] if train.checkpointing == "off" else []),
                 frames,
                 *([f"a smaller LoRA rank than {train.lora_rank}"] if train.lora_rank > 4 else []),
-                *(["fewer rows per step (batch_size; more grad_accumulation_steps keeps the rows per optimizer "
-                   "step)"] if wl.batch > 1 else []),
                 *([] if low_bit else ["an fp8 base (weight dtype fp8_e4m3fn) or a GGUF file (Q8_0, Q4_K: sharded "
                                       "as stored)"]),
                 "use more GPUs" if gpus else "use a machine with a GPU"]
@@ -1008,17 +1009,45 @@ def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, w
     return ways
 
 
+def _place_dataset(dit: Component | None, host: Device | None, workload: Workload, ledger: _Ledger) -> int:
+    """A training step's dataset (latents and conditioning) in host RAM, committed before any model: its bytes, 0
+    when there is none to hold; PlanError with the ways out when the host cannot hold it."""
+    if dit is None or host is None or workload.train is None:
+        return 0
+    data = dataset_bytes(dit.size, workload)
+    if not ledger.fits({host.id: {"sample": data}}):
+        raise PlanError(f"the training dataset's {workload.train.dataset} latent(s) of {workload.frames} x "
+                        f"{workload.width}x{workload.height} and their conditioning need {format_bytes(data)} of "
+                        f"host RAM; {_host_room(host, ledger)}. Ways out: fewer latents in the dataset, a smaller "
+                        "size, or more free host RAM",
+                        needs=[{"device": host.id, "budget_bytes": ledger.budget[host.id], "committed_bytes": 0}])
+    ledger.commit({host.id: {"sample": data}}, "training dataset")
+    return data
+
+
 def _frames_that_fit(dits: list[Component], devices: list[Device], workload: Workload, policy: Policy) -> int | None:
-    """The most frames below the workload's (a whole number of the VAE's frame steps) whose training step fits the
-    DiT on these devices; None if not even one frame does."""
+    """The most frames below the workload's (1 + a whole number of the VAE's frame steps) whose training step fits
+    the DiT on these devices, by bisection (the step's memory grows with the frames); 0 if not even one frame fits,
+    None if the workload is one frame already."""
     step = dits[0].size.dims.get("vae_t", 1)
-    for frames in range(workload.frames - step, 0, -step):
+
+    def fits(k: int) -> bool:
         try:
-            make_plan(dits, devices, replace(workload, frames=frames), policy, suggest=False)
-            return frames
+            make_plan(dits, devices, replace(workload, frames=1 + step * k), policy, suggest=False)
+            return True
         except PlanError:
-            continue
-    return None
+            return False
+
+    high = (workload.frames - 2) // step   # the largest k with 1 + step * k below the workload's frames
+    if high < 0:
+        return None
+    if not fits(0):
+        return 0
+    low = 0   # fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return 1 + step * low
 
 
 def _plan_error(role: str, components: list[Component], devices: list[Device], workload: Workload, policy: Policy,
@@ -1092,6 +1121,7 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
         raise ValueError("dit_low_noise is the second expert of a two-expert DiT: give the first (high-noise) "
                          "expert as dit")
 
+    dataset = _place_dataset(by_role.get("dit"), host, workload, ledger)   # a training step's, first: it must fit
     for role in ("dit", "text_encoder", "vae"):
         comp = by_role.get(role)
         if comp is None:
@@ -1105,18 +1135,11 @@ def make_plan(components: list[Component], devices: list[Device], workload: Work
                 if line := fp8_plan_line(placed[0].weight_dtype, [(d.id, d.capability) for d in devices
                                                                   if d.id in placed[0].devices]):
                     placed[0].reasons.append(line)
-            if placed is not None and workload.train is not None and host is not None:
-                data = {host.id: {"sample": dataset_bytes(comp.size, workload)}}
-                if ledger.fits(data):
-                    ledger.commit(data, "training dataset")
-                    for p in placed:
-                        p.training["dataset_bytes"] = {host.id: data[host.id]["sample"]}
-                    placed[0].reasons.append(f"the dataset's {workload.train.dataset} latent(s) and their "
-                                             f"conditioning stay in host RAM: {format_bytes(data[host.id]['sample'])}")
-                else:
-                    attempts.append(f"the dataset's {workload.train.dataset} latent(s) and their conditioning need "
-                                    f"{format_bytes(data[host.id]['sample'])} of host RAM; {_host_room(host, ledger)}")
-                    placed = None
+            if placed is not None and dataset:
+                for p in placed:
+                    p.training["dataset_bytes"] = {host.id: dataset}
+                placed[0].reasons.append(f"the dataset's {workload.train.dataset} latent(s) and their conditioning "
+                                         f"stay in host RAM: {format_bytes(dataset)}")
         elif role == "text_encoder":
             placed = _place_text_encoder(comp, gpus, host, workload, policy, ledger, attempts)
         else:

@@ -52,9 +52,10 @@ TRAIN_OUTSIDE = {"U": 4.0, "W": 1.0}                 # outside the blocks: embed
 @dataclass(frozen=True)
 class Training:
     """A LoRA training workload beside the latent's size (``estimates.Workload``: width x height x frames of one
-    dataset item, its ``batch`` the rows per optimizer step): MGPU Train LoRA's inputs that decide memory."""
+    dataset item, its ``batch`` the rows of each forward, the node's batch_size): MGPU Train LoRA's inputs that
+    decide memory, with its defaults."""
 
-    lora_rank: int = 32
+    lora_rank: int = 8
     optimizer: str = "AdamW"
     checkpointing: str = "auto"      # auto: off when it fits (no recompute), else on
     training_dtype: str = "bf16"

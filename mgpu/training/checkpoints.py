@@ -172,9 +172,11 @@ def data_digest(*tensors: torch.Tensor) -> str:
 
 
 def mismatches(saved: dict, wanted: dict) -> list[str]:
-    """The settings a resume changes against the checkpoint's, as 'name: saved -> now'."""
+    """The settings a resume changes against the checkpoint's, as 'name: saved -> now'. Only what this version
+    fingerprints counts: a setting a checkpoint recorded that no longer changes the LoRA (gradient checkpointing,
+    recorded before 2026-12-04) does not refuse it."""
     return [f"{k}: {saved.get(k)!r} in the checkpoint, {wanted.get(k)!r} now"
-            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+            for k in sorted(wanted) if saved.get(k) != wanted.get(k)]
 
 
 def export_lora(folder: str | os.PathLike, key: bytes, out: str | os.PathLike) -> list[str]:
