@@ -61,6 +61,7 @@ def test_three_ranks_with_checkpointing_and_accumulation_from_the_plan_train_cor
     assert len(facts["followed"]) == 1 and "gradient_checkpointing True" in facts["followed"][0], facts["followed"]
     assert_core_lora(facts, 5e-4)
     assert facts["planned_adapter_params"] == facts["comfyui_adapter_params"] > 0
+    assert facts["resume_keeps"] == [1, 4, True]   # a resumed run's own rows per forward, the plan's checkpointing
 
 
 def test_a_bf16_base_trains_cores_lora_within_bf16s_rounding(tmp_path: Path) -> None:

@@ -143,7 +143,11 @@ def check_train_equals_core(folder: str, ranks: int, settings: dict, rows: int =
             "comfyui_adapter_params": sum(v.numel() for k, v in first.items() if not k.endswith(".alpha")),
             "planned_adapter_params": adapter_params(size_component(str(path)), settings["rank"]),
             "followed": [line for line in logged if "following the MGPU Plan" in line],
-            "core_settings": core_settings}
+            "core_settings": core_settings,
+            # resuming a run trained with 1 row x 4 micro steps: its rows per forward stay, the plan's checkpointing
+            "resume_keeps": (lambda kept: [kept.batch_size, kept.grad_accumulation_steps, kept.gradient_checkpointing])(
+                training.follow_plan(the_plan, sharded, training.TrainSettings(**settings),
+                                     {"batch_size": 1, "grad_accumulation_steps": 4})) if the_plan else None}
 
 
 @contextlib.contextmanager
