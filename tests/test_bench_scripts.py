@@ -144,12 +144,13 @@ def test_gpu_check_watchdog_ends_a_hung_run_and_its_ranks():
     assert _work_dirs() == before, "the killed run left its temporary files"
 
 
-def _calibrate(tmp_path_factory, *args: str) -> tuple[dict, str]:
+def _calibrate(tmp_path_factory, *args: str, script: str = "calibrate_memory.py") -> tuple[dict, str]:
+    """A calibration script's report (its --json) and printed table, under this ComfyUI."""
     comfyui = find_comfyui()
     if comfyui is None:
         pytest.skip(SKIP_REASON)
     out = tmp_path_factory.mktemp("calibrate") / "report.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "calibrate_memory.py"), *args, "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--json", str(out)],
                           capture_output=True, text=True, timeout=900, env={**ENV, "COMFYUI_PATH": str(comfyui)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -172,7 +173,7 @@ def test_training_calibration_measures_comfyuis_wan_blocks_and_the_estimate_cove
     forward + backward): a checkpointed block keeps its input (1 U per token), one without checkpointing keeps far more
     and about its own patched weights, and mgpu.planning.training's estimate at the model's 30 blocks is at or above
     each measured peak and within 1.25 of it (bench/RESULTS.md: 1.01-1.18 at 256 and 512 tokens)."""
-    report, stdout = _calibrate_training(tmp_path_factory, "--tokens", "64", "128")
+    report, stdout = _calibrate(tmp_path_factory, "--tokens", "64", "128", script="calibrate_training.py")
     assert "| wan2.1-t2v-1.3b |" in stdout
     (row,) = report["rows"]
     unit, weights = 2 * row["hidden"], 2 * row["block_params"]
@@ -181,17 +182,6 @@ def test_training_calibration_measures_comfyuis_wan_blocks_and_the_estimate_cove
     for tokens, at in row["at_layers"].items():
         for mode in ("off", "on"):
             assert 1.0 <= at[f"estimate_{mode}"] / at[f"measured_{mode}"] <= 1.25, (tokens, mode, at)
-
-
-def _calibrate_training(tmp_path_factory, *args: str) -> tuple[dict, str]:
-    comfyui = find_comfyui()
-    if comfyui is None:
-        pytest.skip(SKIP_REASON)
-    out = tmp_path_factory.mktemp("calibrate_training") / "report.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "calibrate_training.py"), *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, env={**ENV, "COMFYUI_PATH": str(comfyui)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
 
 
 def test_restated_comfyui_rules_equal_comfyuis_own(calibration):
