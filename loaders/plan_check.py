@@ -7,8 +7,8 @@ step's tokens x batch with the plan's and logs a warning once per shape. A video
 latent node not wired to MGPU Plan's width, height, frames and batch outputs, or typed apart) warns too, smaller
 ones included: the plan's devices, split and time estimate were decided for the other size. A smaller batch alone
 does not warn: ComfyUI may run cond and uncond apart. A plan made for training (the LoRA training examples sample
-with the trained LoRA on the same ranks) sized a training step: sampling the same video with CFG does not warn. LTX-2 hands its network a list [video, audio]: the video
-stream is the one planned.
+with the trained LoRA on the same ranks) sized a training step: sampling the same video with CFG does not warn.
+LTX-2 hands its network a list [video, audio]: the video stream is the one planned.
 """
 
 from __future__ import annotations

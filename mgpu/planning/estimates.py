@@ -437,6 +437,12 @@ def rank_process_bytes(ranks: int, heads: int | None, sp_degree: int, *, nvls: b
     return CUDA_OVERHEAD_BYTES + sum(nccl_communicator_bytes(n, nvls) for n in comms)
 
 
+def largest_block_params(size: ComponentSize) -> float:
+    """Parameters of the largest repeated block (its bytes over the file's mean bytes per parameter)."""
+    per_param = size.total_bytes / size.params if size.params else 2
+    return max((max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block), default=0) / per_param
+
+
 def fsdp_buffer_bytes(size: ComponentSize, *, gather_itemsize: int, compute_itemsize: int = 2,
                       gathered_blocks: int = 2) -> int:
     """What FSDP2 holds on each rank beside its shard and the activations while it samples.
@@ -447,8 +453,6 @@ def fsdp_buffer_bytes(size: ComponentSize, *, gather_itemsize: int, compute_item
     fp8 weights travel as fp8). When the weights are narrower than the compute dtype, ComfyUI's ops cast one layer at
     a time: the largest, hidden x ffn, in ``compute_itemsize``. NCCL's communicators: ``rank_process_bytes``.
     """
-    per_param = size.total_bytes / size.params if size.params else 2
-    largest = max((max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block), default=0)
-    block = math.ceil(largest / per_param * gather_itemsize)
+    block = math.ceil(largest_block_params(size) * gather_itemsize)
     cast = size.dims["hidden"] * size.dims["ffn"] * compute_itemsize if gather_itemsize < compute_itemsize else 0
     return (gathered_blocks + 1) * block + cast

@@ -982,8 +982,7 @@ def _place_text_encoder(comp: Component, gpus: list[Device], host: Device | None
 def _ways_out(components: list[Component], gpus: list[Device], policy: Policy, wl: Workload,
               role: str = "dit", fit_frames: int | None = None) -> list[str]:
     dit = next((c for c in components if c.role == "dit"), None)
-    low_bit = dit is not None and (dit.size.gguf or (dit.weight_dtype or "").lower() in ("fp8_e4m3fn", "fp8_e5m2")
-                                   or weight_itemsize(dit.size, dit.weight_dtype) == 1)
+    low_bit = dit is not None and (dit.size.gguf or weight_itemsize(dit.size, dit.weight_dtype) == 1)
     if wl.train is not None and role == "dit":
         train = wl.train
         frames = (f"train on fewer frames (the DiT's step fits these devices as they are up to {fit_frames} at "

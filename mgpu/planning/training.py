@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, replace
 
 from mgpu.errors import SizingError
-from mgpu.planning.estimates import ACTIVATION_SAFETY, Workload, dit_tokens, latent_shape
+from mgpu.planning.estimates import ACTIVATION_SAFETY, Workload, dit_tokens, largest_block_params, latent_shape
 from mgpu.planning.sizing import ComponentSize
 
 MiB = 1024**2
@@ -74,13 +74,6 @@ class Training:
             raise SizingError(f"{self}: lora_rank, dataset and grad_accumulation must all be >= 1")
 
 
-def block_params(size: ComponentSize) -> int:
-    """Parameters of the largest repeated block."""
-    per_param = size.total_bytes / size.params if size.params else 2
-    largest = max((max(g.bytes_per_block) for g in size.blocks if g.bytes_per_block), default=0)
-    return math.ceil(largest / per_param)
-
-
 def adapter_params(size: ComponentSize, lora_rank: int) -> int:
     """Trained parameters of ComfyUI's Train LoRA on this model: rank x (out + in) per weight matrix, and every 1-D
     weight and bias whole (its ``BiasDiff``), from the file's shapes (``ComponentSize.adapter_sides`` /
@@ -112,7 +105,7 @@ def train_activation_bytes(size: ComponentSize, tokens: int, rows: int, *, act_b
         raise SizingError(f"{size.path or size.family}: training memory needs a recognised DiT with hidden, ffn and "
                           f"layers (got family {size.family!r})")
     unit = rows * tokens * hidden * act_bytes
-    terms = {"U": unit, "F": rows * tokens * ffn * act_bytes, "W": block_params(size) * act_bytes}
+    terms = {"U": unit, "F": rows * tokens * ffn * act_bytes, "W": math.ceil(largest_block_params(size)) * act_bytes}
     saved = sum(TRAIN_SAVED[k] * v for k, v in terms.items())
     backward = sum(TRAIN_BACKWARD[k] * v for k, v in terms.items())
     kept = layers * TRAIN_CHECKPOINTED_U * unit + saved if checkpointing else layers * saved
